@@ -1,0 +1,1 @@
+"""Generation actors: engine (scheduler, paged KV cache, model runner) and the Ray actor."""
