@@ -6,3 +6,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Builds (once per session) a random-weight model + trained tokenizer directory.
+
+    Usage: ``path = tiny_model_factory("qwen2", sliding_window=8)``.
+    """
+    from toolkit.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    built: dict[tuple, str] = {}
+
+    def make(arch: str = "llama", **kwargs) -> str:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in built:
+            name = arch + "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()))
+            built[key] = str(build_tiny_model(root / name, arch, **kwargs))
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
