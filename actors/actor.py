@@ -1,0 +1,57 @@
+"""GenerationActor: one model + engine per process; a plain class that callers wrap with
+``ray.remote`` (``ray.remote(num_gpus=1)(GenerationActor)``) or use directly."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from actors.config import EngineConfig
+from actors.outputs import GenerationOutput
+
+logger = logging.getLogger(__name__)
+
+Prompt = Any  # str | list[int] | list[dict] (chat messages)
+
+
+class GenerationActor:
+    """Loads the model once and generates with it.
+
+    Args:
+        model: local directory or hub id.
+        engine_config: an ``EngineConfig``, a dict of its fields, or None for the defaults.
+
+    Example:
+        >>> actor = GenerationActor("/tmp/tiny-llama", {"max_num_seqs": 8})  # doctest: +SKIP
+        >>> outs = actor.generate(["Hello"], {"max_tokens": 4, "seed": 1})  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None):
+        from actors.engine import Engine
+
+        self.model = str(model)
+        self.engine_config = EngineConfig.coerce(engine_config)
+        self.engine = Engine(self.model, self.engine_config)
+        logger.info("GenerationActor ready: %s", self.info())
+
+    def generate(self, prompts: Sequence[Prompt], params: Any = None) -> list[GenerationOutput]:
+        """Generates for ``prompts`` (strings, token-id lists or chat message lists).
+
+        ``params`` is one SamplingParams / dict for every prompt, or a list with one per
+        prompt. Returns one output per (prompt, sample), in prompt order then sample_index;
+        the request ids are the prompt positions 0..len(prompts)-1.
+        """
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"params: got {len(params)} entries for {len(prompts)} prompts"
+                )
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(prompts)
+        requests = [(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+        return self.engine.generate(requests)
+
+    def info(self) -> dict[str, Any]:
+        """Model and engine facts (for logs and the job driver)."""
+        return self.engine.info()

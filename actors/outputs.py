@@ -1,0 +1,84 @@
+"""GenerationOutput: one finished (prompt, sample) row, with the output schema's attributes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+#: The attributes that map one-to-one onto the Parquet output columns (DESIGN.md).
+SCHEMA_FIELDS: tuple[str, ...] = (
+    "id",
+    "sample_index",
+    "output_text",
+    "output_token_ids",
+    "finish_reason",
+    "stop_reason",
+    "logprobs",
+    "top_logprobs",
+    "sampled_ranks",
+    "prompt_logprobs",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "seed",
+    "error",
+)
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """The result of one sample of one request.
+
+    Attributes:
+        id: the request id given to ``add_request``.
+        sample_index: 0..n-1.
+        output_text: detokenized output (stop string removed unless asked), None when the
+            request set ``detokenize=False`` or failed before generating.
+        output_token_ids: generated ids (a stop id that ended the row is included).
+        finish_reason: "stop", "length", "abort" or "error".
+        stop_reason: the stop string, or the stop / EOS token id as text; else None.
+        logprobs: the sampled token's value per step in the row's ``logprobs_mode``, or None
+            when ``logprobs`` was not requested.
+        top_logprobs: per step, the top-k ``{"token_id", "logprob"}`` pairs (descending), when
+            ``logprobs > 0`` (or -1: the whole vocab); else None.
+        sampled_ranks: rank of the sampled token per step (1 = argmax), when logprobs requested.
+        prompt_logprobs: log P(prompt[i] | prompt[:i]) per prompt position, element 0 None,
+            when ``prompt_logprobs`` was requested.
+        num_prompt_tokens, num_output_tokens: counts.
+        seed: the seed the row was sampled with (reproduce it with this seed).
+        error: why the request failed (finish_reason "error"), else None.
+        prompt_top_logprobs: in memory only (not a column): top-k pairs per prompt position
+            (element 0 None) when ``prompt_logprobs > 0``.
+    """
+
+    id: Any
+    sample_index: int = 0
+    output_text: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[dict[str, Any]]] | None = None
+    sampled_ranks: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    seed: int | None = None
+    error: str | None = None
+    prompt_top_logprobs: list[list[dict[str, Any]] | None] | None = None
+
+    def to_dict(self, *, include_prompt_top_logprobs: bool = False) -> dict[str, Any]:
+        """The schema columns as a dict (``prompt_top_logprobs`` only when asked)."""
+        out = {name: getattr(self, name) for name in SCHEMA_FIELDS}
+        if include_prompt_top_logprobs:
+            out["prompt_top_logprobs"] = self.prompt_top_logprobs
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+ALL_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationOutput))
