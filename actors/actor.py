@@ -55,3 +55,12 @@ class GenerationActor:
     def info(self) -> dict[str, Any]:
         """Model and engine facts (for logs and the job driver)."""
         return self.engine.info()
+
+    def process_shard(self, task: Any) -> Any:
+        """Runs one job shard (``actors.shard.ShardTask``) through this actor's engine, writes
+        its part file and returns the ``ShardResult``. Several calls may run at once (a Ray
+        actor with ``max_concurrency`` > 1): they share one background engine loop."""
+        from actors.serving import server_for
+        from actors.shard import process_shard
+
+        return process_shard(task, server_for(self, self.engine).run)

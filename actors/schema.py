@@ -1,0 +1,119 @@
+"""The Arrow schema of the output Parquet (DESIGN.md, "Output schema") and outputs -> Arrow.
+
+One row per (prompt, sample). The generated columns come first, in the order of the schema
+table, then every passthrough input column with its input type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import pyarrow as pa
+
+TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+
+GENERATED_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("sample_index", pa.int32()),
+    pa.field("output_text", pa.string()),
+    pa.field("output_token_ids", pa.list_(pa.int32())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("stop_reason", pa.string()),
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
+    pa.field("sampled_ranks", pa.list_(pa.int32())),
+    pa.field("prompt_logprobs", pa.list_(pa.float32())),
+    pa.field("num_prompt_tokens", pa.int32()),
+    pa.field("num_output_tokens", pa.int32()),
+    pa.field("seed", pa.int64()),
+    pa.field("error", pa.string()),
+)
+OUTPUT_COLUMNS: tuple[str, ...] = ("id",) + tuple(f.name for f in GENERATED_FIELDS)
+
+
+def output_schema(id_type: pa.DataType = pa.string(),
+                  passthrough: pa.Schema | None = None) -> pa.Schema:
+    """The part-file schema: ``id`` (the input id type, or string when ids are generated), the
+    generated columns, then the passthrough columns."""
+    fields = [pa.field("id", id_type), *GENERATED_FIELDS]
+    if passthrough is not None:
+        for f in passthrough:
+            if f.name in OUTPUT_COLUMNS:
+                raise ValueError(f"input column {f.name!r} collides with the output column of "
+                                 "that name; rename it in the input")
+            fields.append(f.with_nullable(True))
+    return pa.schema(fields)
+
+
+def _as_list(value: Any) -> list | None:
+    if value is None:
+        return None
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return list(value)
+
+
+def _top_entries(step: Any) -> list[dict[str, Any]]:
+    """One step's top-k as [{token_id, logprob}], from a mapping, (id, value) pairs, dicts or
+    objects with ``token_id``/``logprob`` attributes."""
+    if isinstance(step, Mapping):
+        return [{"token_id": int(k), "logprob": float(v)} for k, v in step.items()]
+    out = []
+    for entry in step:
+        if isinstance(entry, Mapping):
+            out.append({"token_id": int(entry["token_id"]), "logprob": float(entry["logprob"])})
+        elif hasattr(entry, "token_id"):
+            out.append({"token_id": int(entry.token_id), "logprob": float(entry.logprob)})
+        else:
+            token_id, logprob = entry
+            out.append({"token_id": int(token_id), "logprob": float(logprob)})
+    return out
+
+
+def _top_logprobs(value: Any) -> list[list[dict[str, Any]]] | None:
+    if value is None:
+        return None
+    return [_top_entries(step) for step in value]
+
+
+def _stop_reason(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+_CONVERT = {
+    "output_token_ids": _as_list,
+    "logprobs": _as_list,
+    "sampled_ranks": _as_list,
+    "prompt_logprobs": _as_list,
+    "top_logprobs": _top_logprobs,
+    "stop_reason": _stop_reason,
+}
+
+
+def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
+    """The generated columns of ``outputs`` (objects with the schema's attributes, e.g.
+    ``GenerationOutput``), typed as in the schema. ``id`` is not included."""
+    columns: dict[str, pa.Array] = {}
+    for f in GENERATED_FIELDS:
+        convert = _CONVERT.get(f.name)
+        values = [getattr(o, f.name, None) for o in outputs]
+        if convert is not None:
+            values = [convert(v) for v in values]
+        columns[f.name] = pa.array(values, type=f.type)
+    return columns
+
+
+def build_table(ids: pa.Array, outputs: Sequence[Any], passthrough: pa.Table | None,
+                schema: pa.Schema) -> pa.Table:
+    """Assembles a part table: ``ids`` and ``passthrough`` hold one entry per output row."""
+    columns = {"id": ids, **generated_columns(outputs)}
+    arrays = []
+    for f in schema:
+        if f.name in columns:
+            arrays.append(columns[f.name].cast(f.type))
+        elif passthrough is not None and f.name in passthrough.column_names:
+            arrays.append(passthrough.column(f.name).cast(f.type))
+        else:  # a passthrough column this input file does not have
+            arrays.append(pa.nulls(len(outputs), f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)

@@ -1,0 +1,66 @@
+"""Connecting the driver to Ray, and creating generation actors on it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+IN_FLIGHT_PER_ACTOR = 2  # shards per actor at once: the next one queues while one finishes
+
+
+def connect(address: str | None) -> None:
+    """Connects to Ray: an already connected session, else ``address``, else ``RAY_ADDRESS``,
+    else a new local Ray that listens on 127.0.0.1 only (kept for later jobs of the process)."""
+    # Read by Ray at import time: a local Ray then binds loopback instead of the host's address.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        logger.info("connecting to Ray at %s", target)
+        ray.init(address=target, logging_level=logging.WARNING)
+    else:
+        logger.info("starting a local Ray on 127.0.0.1")
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+
+
+def check_resources(num_actors: int, num_gpus: float) -> None:
+    """Fails early when the cluster cannot hold the actor pool at all."""
+    import ray
+
+    resources = ray.cluster_resources()
+    if num_gpus > 0:
+        have = resources.get("GPU", 0)
+        if num_actors * num_gpus > have:
+            raise ValueError(
+                f"config.num_actors: {num_actors} actors x num_gpus_per_actor={num_gpus} need "
+                f"{num_actors * num_gpus:g} GPUs, the Ray cluster has {have:g} (set "
+                "num_gpus_per_actor: 0 to run on CPU)")
+    have = resources.get("CPU", 0)
+    if num_actors > have:
+        raise ValueError(f"config.num_actors: {num_actors} actors need {num_actors} CPUs, the "
+                         f"Ray cluster has {have:g}")
+
+
+def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: float):
+    """A function that starts one generation actor and returns its handle."""
+    import ray
+
+    remote_cls = ray.remote(actor_cls).options(
+        num_cpus=1,
+        num_gpus=num_gpus,
+        max_concurrency=IN_FLIGHT_PER_ACTOR + 1,
+        max_restarts=0,
+        max_task_retries=0,
+    )
+
+    def start() -> Any:
+        return remote_cls.remote(model, engine_config)
+
+    return start

@@ -1,0 +1,172 @@
+"""The dispatch loop: a fixed pool of actors pulls shards, dead actors are replaced.
+
+Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has the next
+shard's requests while the current one drains. A shard whose attempt failed (its actor died,
+its engine broke, or it raised) is retried alone on an idle actor, so a later failure is
+blamed on it and not on a bystander; after ``max_attempts`` its rows are written as error rows
+by the driver. A part-file write failure (the output storage) ends the job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from actors.serving import EngineFailure
+from actors.shard import PartWriteError, ShardResult, ShardTask, write_failed_shard
+from jobs.cluster import IN_FLIGHT_PER_ACTOR
+
+logger = logging.getLogger(__name__)
+
+MakeTask = Callable[[int, int], ShardTask]  # (shard id, attempt) -> task
+Commit = Callable[[ShardResult, str], None]  # (result, actor name) -> None
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str
+    handle: Any = None
+    ready: Any = None  # the readiness ref while the actor starts
+    inflight: dict[Any, ShardTask] = field(default_factory=dict)
+    exclusive: bool = False  # running a retried shard alone
+    deaths: int = 0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class Dispatcher:
+    """Runs shards on an actor pool until each is committed (or written as error rows)."""
+
+    def __init__(self, start_actor: Callable[[], Any], num_actors: int, make_task: MakeTask,
+                 commit: Commit, max_attempts: int) -> None:
+        self._start_actor = start_actor
+        self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
+        self._make_task = make_task
+        self._commit = commit
+        self._max_attempts = max_attempts
+        self._pending: deque[tuple[int, int]] = deque()
+        self._retry: deque[tuple[int, int]] = deque()
+        self.retried: set[int] = set()
+        self.failed: set[int] = set()
+
+    def run(self, shard_ids: list[int]) -> None:
+        """Processes ``shard_ids`` in order; returns when all are committed."""
+        import ray
+
+        self._pending.extend((s, 1) for s in shard_ids)
+        if not self._pending:
+            return
+        try:
+            for slot in self._slots:
+                self._launch(slot)
+            while self._pending or self._retry or any(s.inflight for s in self._slots):
+                self._assign()
+                waiting = {ref: slot for slot in self._slots
+                           for ref in ([slot.ready] if slot.ready else list(slot.inflight))}
+                done, _ = ray.wait(list(waiting), num_returns=1, timeout=5.0)
+                for ref in done:
+                    slot = waiting[ref]
+                    if ref is slot.ready:
+                        self._on_ready(slot, ref)
+                    else:
+                        self._on_done(slot, ref)
+        finally:
+            for slot in self._slots:
+                self._kill(slot)
+
+    # ------------------------------------------------------------------ actors
+    def _launch(self, slot: _Slot) -> None:
+        slot.handle = self._start_actor()
+        slot.ready = slot.handle.__ray_ready__.remote()
+        slot.exclusive = False
+
+    def _on_ready(self, slot: _Slot, ref: Any) -> None:
+        import ray
+
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - the actor's constructor failed
+            raise RuntimeError(f"{slot.name} failed to start: {_first_line(exc)}") from exc
+        slot.ready = None
+        logger.info("%s ready", slot.name)
+
+    def _kill(self, slot: _Slot) -> None:
+        import ray
+
+        if slot.handle is not None:
+            ray.kill(slot.handle, no_restart=True)
+            slot.handle = None
+
+    def _lose_actor(self, slot: _Slot, tasks: list[ShardTask], exc: BaseException) -> None:
+        tasks = tasks + list(slot.inflight.values())
+        slot.inflight.clear()
+        slot.deaths += 1
+        logger.warning("%s lost (%s); retrying shards %s on a new actor", slot.name,
+                       _first_line(exc), [t.shard_id for t in tasks])
+        self._kill(slot)
+        self._launch(slot)
+        for task in tasks:
+            self._attempt_failed(task, f"{slot.name} died ({_first_line(exc)})")
+
+    # ------------------------------------------------------------------ shards
+    def _submit(self, slot: _Slot, shard_id: int, attempt: int, exclusive: bool) -> None:
+        task = self._make_task(shard_id, attempt)
+        slot.inflight[slot.handle.process_shard.remote(task)] = task
+        slot.exclusive = exclusive
+
+    def _assign(self) -> None:
+        ready = [s for s in self._slots if s.ready is None and not s.exclusive]
+        drain = None
+        if self._retry:
+            for slot in ready:
+                if not slot.inflight and self._retry:
+                    self._submit(slot, *self._retry.popleft(), exclusive=True)
+            if self._retry:  # let one busy actor run dry so a retry can go next
+                busy = [s for s in ready if not s.exclusive]
+                drain = min(busy, key=lambda s: len(s.inflight)) if busy else None
+        for slot in ready:
+            while (not slot.exclusive and slot is not drain and self._pending
+                   and len(slot.inflight) < IN_FLIGHT_PER_ACTOR):
+                self._submit(slot, *self._pending.popleft(), exclusive=False)
+
+    def _on_done(self, slot: _Slot, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        task = slot.inflight.pop(ref)
+        try:
+            result = ray.get(ref)
+        except RayActorError as exc:
+            self._lose_actor(slot, [task], exc)
+            return
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, PartWriteError):
+                raise OSError(f"output: {cause}") from None
+            if isinstance(cause, EngineFailure):
+                self._lose_actor(slot, [task], exc)
+                return
+            if not slot.inflight:
+                slot.exclusive = False
+            self._attempt_failed(task, _first_line(exc))
+            return
+        if not slot.inflight:
+            slot.exclusive = False
+        self._commit(result, slot.name)
+
+    def _attempt_failed(self, task: ShardTask, reason: str) -> None:
+        self.retried.add(task.shard_id)
+        if task.attempt < self._max_attempts:
+            logger.warning("shard %d attempt %d failed: %s", task.shard_id, task.attempt, reason)
+            self._retry.append((task.shard_id, task.attempt + 1))
+            return
+        logger.error("shard %d failed %d times, writing its rows as errors: %s",
+                     task.shard_id, task.attempt, reason)
+        self.failed.add(task.shard_id)
+        message = f"shard failed after {task.attempt} attempts, last: {reason}"
+        self._commit(write_failed_shard(task, message), "driver")

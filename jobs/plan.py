@@ -1,0 +1,76 @@
+"""The shard plan: each input file cut into row ranges of ``rows_per_shard`` rows.
+
+The plan depends only on the sorted file list, the row counts and ``rows_per_shard``, so a
+rerun computes the same one; it is stored in the manifest at job start and checked on resume.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from actors.shard import ShardTask
+from jobs.config import JobConfig
+from jobs.inputs import InputSpec
+from jobs.manifest import encode_schema
+from jobs.storage import Location
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rows ``[row_start, row_stop)`` of input file ``file_index``."""
+
+    shard_id: int
+    file_index: int
+    row_start: int
+    row_stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+
+def plan_shards(spec: InputSpec, rows_per_shard: int) -> list[Shard]:
+    """Cuts every file into consecutive ranges of at most ``rows_per_shard`` rows."""
+    shards: list[Shard] = []
+    for index, f in enumerate(spec.files):
+        for start in range(0, f.rows, rows_per_shard):
+            shards.append(Shard(len(shards), index, start, min(start + rows_per_shard, f.rows)))
+    return shards
+
+
+def plan_document(spec: InputSpec, shards: list[Shard], rows_per_shard: int) -> dict[str, Any]:
+    """The JSON form of the plan, as stored in (and compared against) the manifest."""
+    doc = {
+        "files": [{"path": f.path, "format": f.format, "rows": f.rows, "size": f.size}
+                  for f in spec.files],
+        "rows_per_shard": rows_per_shard,
+        "shards": [[s.file_index, s.row_start, s.row_stop] for s in shards],
+        "columns": spec.columns,
+        "generated_ids": spec.generated_ids,
+        "schema": encode_schema(spec.schema),
+    }
+    return json.loads(json.dumps(doc))
+
+
+def make_task(shard: Shard, attempt: int, spec: InputSpec, config: JobConfig,
+              output: Location) -> ShardTask:
+    """The task an actor runs for ``shard`` (attempt numbers start at 1)."""
+    f = spec.files[shard.file_index]
+    return ShardTask(
+        shard_id=shard.shard_id,
+        attempt=attempt,
+        input_fs=f.location.fs,
+        input_path=f.path,
+        input_format=f.format,
+        row_start=shard.row_start,
+        row_stop=shard.row_stop,
+        columns=dict(spec.columns),
+        default_params=dict(config.sampling_params),
+        seed=config.seed,
+        output_fs=output.fs,
+        output_dir=output.path,
+        schema=spec.schema,
+        id_offset=f.row_offset if spec.generated_ids else None,
+    )

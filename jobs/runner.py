@@ -1,0 +1,149 @@
+"""``run_job``: check everything, plan, open the manifest, dispatch, finish.
+
+Every job-level problem (config typo, unreadable input, missing column, unknown model,
+unwritable output) is found here before Ray starts or any model loads, and raised as one
+``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from actors.shard import ShardResult
+from jobs.config import ConfigLike, JobConfig, load_config
+from jobs.inputs import discover
+from jobs.manifest import Manifest
+from jobs.plan import make_task, plan_document, plan_shards
+from jobs.progress import JobResult, Progress, totals
+from jobs.storage import resolve
+
+logger = logging.getLogger(__name__)
+
+
+def engine_options(config: JobConfig) -> dict[str, Any]:
+    """The job's ``engine`` mapping, checked against ``EngineConfig`` (ValueError naming an
+    unknown or invalid key), with the job's ``trust_remote_code``, ``seed`` and, for CPU
+    actors, ``device: cpu`` filled in. Shipped to the actors as a mapping: device and dtype
+    defaults resolve where the engine runs, not on the driver."""
+    from actors.config import EngineConfig
+
+    values = dict(config.engine)
+    values.setdefault("trust_remote_code", config.trust_remote_code)
+    values.setdefault("seed", config.seed)
+    if config.num_gpus_per_actor == 0:
+        values.setdefault("device", "cpu")
+    try:
+        EngineConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config.{exc}") from None
+    return values
+
+
+def check_model(config: JobConfig) -> None:
+    """The model must be a directory transformers can read a config from, or a hub id."""
+    model = config.model
+    looks_local = model.startswith(("/", "./", "../", "~")) or os.path.exists(model)
+    path = os.path.expanduser(model)
+    if looks_local and not os.path.isdir(path):
+        raise ValueError(f"config.model: {model!r} does not exist or is not a directory")
+    if looks_local and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"config.model: {model!r} has no config.json (not a model directory)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path if looks_local else model,
+                                   trust_remote_code=config.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure here means an unusable model
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"config.model: cannot load {model!r}: {first}") from None
+
+
+def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None) -> JobResult:
+    """Runs a job to the end (or resumes it) and returns its :class:`JobResult`.
+
+    ``actor_cls`` replaces ``actors.actor.GenerationActor`` (it is constructed the same way,
+    ``actor_cls(model, engine_options)``).
+    """
+    started = time.perf_counter()
+    config = load_config(config)
+    engine = engine_options(config)
+    spec = discover(config)
+    check_model(config)
+    output = resolve(config.output)
+    shards = plan_shards(spec, config.rows_per_shard)
+    manifest = Manifest.open(output, config.output_identity(),
+                             plan_document(spec, shards, config.rows_per_shard))
+    removed = manifest.clean_temporaries()
+    if removed:
+        logger.info("removed %d temporary files of an earlier run", len(removed))
+    todo = [s.shard_id for s in shards if not manifest.is_committed(s.shard_id)]
+    done_rows = totals(manifest.committed)["rows"]
+    logger.info("%d shards planned, %d already committed", len(shards), len(shards) - len(todo))
+    bar = Progress(spec.total_rows, done_rows, enabled=progress)
+    dispatcher = None
+    try:
+        if todo:
+            dispatcher = _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls,
+                                   todo)
+        if not manifest.finished:
+            manifest.finish()
+    finally:
+        bar.close()
+    sums = totals(manifest.committed)
+    seconds = time.perf_counter() - started
+    result = JobResult(
+        output=config.output,
+        rows=sums["output_rows"],
+        input_rows=sums["rows"],
+        errors=sums["errors"],
+        tokens=sums["output_tokens"],
+        prompt_tokens=sums["prompt_tokens"],
+        seconds=seconds,
+        tokens_per_second=bar.tokens / max(bar.seconds, 1e-9),
+        shards=len(shards),
+        shards_skipped=len(shards) - len(todo),
+        shards_retried=len(dispatcher.retried) if dispatcher else 0,
+        shards_failed=len(dispatcher.failed) if dispatcher else 0,
+        actor_share=bar.actor_share(),
+    )
+    logger.info("job finished\n%s", result.summary())
+    return result
+
+
+def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
+    from jobs.cluster import actor_factory, check_resources, connect
+    from jobs.dispatch import Dispatcher
+
+    if actor_cls is None:
+        from actors.actor import GenerationActor as actor_cls
+
+    connect(config.ray_address)
+    check_resources(config.num_actors, config.num_gpus_per_actor)
+
+    def commit(result: ShardResult, actor: str) -> None:
+        entry = {"part": result.part, "rows": result.rows, "output_rows": result.output_rows,
+                 "errors": result.errors, "output_tokens": result.output_tokens,
+                 "prompt_tokens": result.prompt_tokens, "attempt": result.attempt,
+                 "actor": actor, "seconds": round(result.seconds, 3)}
+        try:
+            manifest.record(result.shard_id, entry)
+        except OSError as exc:
+            raise OSError(f"output: cannot update the manifest in {config.output!r}: {exc}") \
+                from exc
+        for message in result.error_messages[:1]:
+            logger.warning("shard %d: %d error rows, e.g. %s", result.shard_id, result.errors,
+                           message)
+        bar.update(result.rows, result.output_tokens, actor)
+
+    dispatcher = Dispatcher(
+        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor),
+        min(config.num_actors, len(todo)),
+        lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),
+        commit,
+        config.max_shard_attempts,
+    )
+    dispatcher.run(todo)
+    return dispatcher

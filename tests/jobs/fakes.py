@@ -1,0 +1,110 @@
+"""A fake engine and actor for driver tests: deterministic outputs, no model, fault hooks.
+
+The fake honours the engine contract of docs/architecture.md: ``add_request`` never raises,
+bad requests come back from ``step()`` as error outputs, one output per sample. Every active
+request makes one token per step, so requests of different lengths finish at different steps
+(continuous batching). Prompts drive fault injection:
+
+- ``"DIE-ONCE:<path>"``: the process exits the first time (``<path>`` remembers it);
+- ``"DIE-ALWAYS"``: the process exits every time;
+- ``"RAISE"``: ``step()`` raises (a broken engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import ray.cloudpickle
+
+from actors.outputs import GenerationOutput
+
+ray.cloudpickle.register_pickle_by_value(__import__(__name__))
+
+VOCAB = 97
+
+
+def fake_token(seed: int, sample: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{sample}/{position}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def _num_prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(str(m.get("content", "")).split()) for m in prompt)
+    return len(prompt)
+
+
+class FakeEngine:
+    """``add_request`` / ``step`` / ``has_unfinished_requests`` with made-up tokens."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, dict[str, Any]] = {}
+        self.errors: list[GenerationOutput] = []
+        self.requests_seen = 0
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.requests_seen += 1
+        if isinstance(prompt, str) and prompt.startswith("DIE-ONCE:"):
+            marker = prompt.split(":", 1)[1]
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+        if prompt == "DIE-ALWAYS":
+            os._exit(1)
+        if prompt == "" or prompt == []:
+            self.errors.extend(GenerationOutput(id=request_id, sample_index=j, seed=params.seed,
+                                                finish_reason="error", error="prompt is empty")
+                               for j in range(params.n))
+            return
+        self.active[request_id] = {"prompt": prompt, "params": params, "step": 0}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.active or self.errors)
+
+    def step(self) -> list[GenerationOutput]:
+        if any(r["prompt"] == "RAISE" for r in self.active.values()):
+            raise RuntimeError("fake engine broke")
+        finished, self.errors = self.errors, []
+        for rid, req in list(self.active.items()):
+            req["step"] += 1
+            params = req["params"]
+            if req["step"] >= (params.max_tokens or 16):
+                del self.active[rid]
+                finished.extend(self._outputs(rid, req["prompt"], params))
+        return finished
+
+    def _outputs(self, rid: str, prompt: Any, params: Any) -> list[GenerationOutput]:
+        outs = []
+        num_prompt = _num_prompt_tokens(prompt)
+        for j in range(params.n):
+            ids = [fake_token(params.seed, j, i) for i in range(params.max_tokens or 16)]
+            k = params.logprobs
+            outs.append(GenerationOutput(
+                id=rid, sample_index=j, output_text=" ".join(f"t{t}" for t in ids),
+                output_token_ids=ids, finish_reason="length",
+                logprobs=[-t / VOCAB for t in ids] if k is not None else None,
+                top_logprobs=([[{"token_id": t, "logprob": -t / VOCAB}] * k for t in ids]
+                              if k else None),
+                sampled_ranks=[1] * len(ids) if k is not None else None,
+                prompt_logprobs=([None] + [-0.5] * (num_prompt - 1)
+                                 if params.prompt_logprobs is not None else None),
+                num_prompt_tokens=num_prompt, num_output_tokens=len(ids), seed=params.seed))
+        return outs
+
+
+class FakeActor:
+    """Stands in for ``GenerationActor`` (same constructor and ``process_shard``)."""
+
+    def __init__(self, model: str, engine_config: Any = None) -> None:
+        self.model = model
+        self.engine = FakeEngine()
+
+    def process_shard(self, task):
+        from actors.serving import server_for
+        from actors.shard import process_shard
+
+        return process_shard(task, server_for(self, self.engine).run)
