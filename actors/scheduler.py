@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler: which tokens of which sequences run in the next step.
+
+Pure Python over ``Sequence`` objects and a ``BlockManager``; no model, no torch. Each step:
+1. running sequences, decodes first, then unfinished prefills (chunked to the token budget);
+   when pages run out the newest running sequence is preempted (its pages freed, recomputed
+   later), possibly the one being scheduled;
+2. waiting sequences in arrival order (preempted ones first), with prefix-cache hits, while
+   the budget, the sampler slots and the pages allow (none when step 1 preempted).
+A request asking for n samples holds n slots from admission; its prompt is computed once and
+the sequence forks into n when its last prompt chunk is scheduled (full pages shared, the
+partial last page copied).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.block_manager import BlockManager, hash_block
+from actors.sequence import PENDING, Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """``num_tokens`` new tokens of ``seq`` starting at position ``start``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work. ``sample_seqs[r]`` samples from the last row of
+    ``chunks[sample_chunks[r]]`` (forked samples share their parent's row)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    sample_chunks: list[int] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)   # got a sampler slot this step
+    released_slots: list[int] = field(default_factory=list)  # sampler slots freed by preemption
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src page, dst page)
+    scheduled_ids: set[int] = field(default_factory=set)  # seq_id of every sequence in the step
+    num_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_prompt_tokens_computed: int = 0   # prompt positions run through the model
+    num_cached_prompt_tokens: int = 0     # prompt positions served by the prefix cache
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Decides each step's batch under ``max_num_batched_tokens`` and ``max_num_seqs``."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def is_generation_done(self, seq: Sequence) -> bool:
+        """Whether the sequence already holds its last token (value possibly pending)."""
+        max_tokens = seq.request.params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) \
+            or seq.num_tokens >= self.max_model_len
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or self.is_generation_done(seq):
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._pages_needed(seq, num_new)
+            while need > self.bm.num_free_blocks:
+                victim = self._newest_unscheduled(out.scheduled_ids)
+                if victim is None:  # only sequences of this step hold pages: wait a step
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or need > self.bm.num_free_blocks:
+                continue
+            self._schedule_chunk(seq, num_new, need, out)
+            budget -= num_new
+        if not out.preempted:
+            self._admit(budget, out)
+        self.stats.num_steps += 1
+        return out
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled:
+                return seq
+        return None
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        bs = self.block_size
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_pending or len(self.free_slots) < seq.fanout:
+                break
+            self._update_hashes(seq)
+            hits = self._prefix_hits(seq)
+            num_cached = len(hits) * bs
+            num_new = min(seq.num_tokens - num_cached, budget)
+            total = math.ceil((num_cached + num_new) / bs)
+            need = total - len(hits) + self._fork_pages(seq, num_cached + num_new)
+            if need + self.bm.num_free_among(hits) > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.share(hits)
+            self.bm.num_hit_blocks += len(hits)
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = num_cached
+            seq.num_registered_blocks = len(hits)
+            self.stats.num_cached_prompt_tokens += min(num_cached, seq.num_prompt_tokens)
+            seq.slot = self.free_slots.pop()
+            seq.reserved_slots = [self.free_slots.pop() for _ in range(seq.fanout - 1)]
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            self._schedule_chunk(seq, num_new, need, out)
+            budget -= num_new
+
+    # ------------------------------------------------------------------ helpers
+    def _fork_pages(self, seq: Sequence, computed_after: int) -> int:
+        """Extra pages the fork needs when this chunk completes a fanning-out prompt."""
+        if seq.fanout > 1 and computed_after == seq.num_tokens and seq.num_tokens % self.block_size:
+            return seq.fanout - 1
+        return 0
+
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        after = seq.num_computed_tokens + num_new
+        return (math.ceil(after / self.block_size) - len(seq.block_table)
+                + self._fork_pages(seq, after))
+
+    def _schedule_chunk(self, seq: Sequence, num_new: int, need: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed_tokens
+        after = start + num_new
+        fork_pages = self._fork_pages(seq, after)
+        seq.block_table.extend(self.bm.allocate(need - fork_pages))
+        seq.num_computed_tokens = after
+        out.chunks.append(ScheduledChunk(seq, start, num_new))
+        out.scheduled_ids.add(seq.seq_id)
+        out.num_tokens += num_new
+        if start < seq.num_prompt_tokens:
+            self.stats.num_prompt_tokens_computed += min(after, seq.num_prompt_tokens) - start
+        self._register_blocks(seq)
+        if after == seq.num_tokens:  # the chunk reaches the end: its last row samples
+            chunk_idx = len(out.chunks) - 1
+            out.sample_seqs.append(seq)
+            out.sample_chunks.append(chunk_idx)
+            if seq.fanout > 1:
+                self._fork(seq, chunk_idx, out)
+
+    def _fork(self, parent: Sequence, chunk_idx: int, out: SchedulerOutput) -> None:
+        full = parent.num_tokens // self.block_size
+        for j in range(1, parent.fanout):
+            child = parent.fork(parent.sample_index + j)
+            shared = parent.block_table[:full]
+            self.bm.share(shared)
+            child.block_table = list(shared)
+            if len(parent.block_table) > full:
+                page = self.bm.allocate(1)[0]
+                out.copies.append((parent.block_table[full], page))
+                child.block_table.append(page)
+            child.slot = parent.reserved_slots.pop()
+            self.running.append(child)
+            out.scheduled_ids.add(child.seq_id)
+            out.admitted.append(child)
+            out.sample_seqs.append(child)
+            out.sample_chunks.append(chunk_idx)
+        parent.fanout = 1
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        if not self.bm.enable_prefix_caching:
+            return
+        bs = self.block_size
+        known = seq.num_tokens - seq.num_pending
+        hashes = seq.block_hashes
+        for i in range(len(hashes), known // bs):
+            block = seq.token_ids[i * bs:(i + 1) * bs]
+            assert PENDING not in block
+            hashes.append(hash_block(hashes[-1] if hashes else None, block))
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        if not self.bm.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        upto = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_registered_blocks, upto):
+            self.bm.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, upto)
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        if not self.bm.enable_prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        request = seq.request
+        if not request.prompt_scoring_done:  # never skip prompt rows that still need scoring
+            limit = min(limit, request.num_prompt_rows_scored // self.block_size)
+        return self.bm.lookup(seq.block_hashes[:limit])
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        self._release_slots(seq, out.released_slots)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.stats.num_preemptions += 1
+
+    def _release_slots(self, seq: Sequence, released: list[int]) -> None:
+        if seq.slot >= 0:
+            released.append(seq.slot)
+            self.free_slots.append(seq.slot)
+        self.free_slots.extend(seq.reserved_slots)
+        seq.slot = -1
+        seq.reserved_slots = []
+
+    # ------------------------------------------------------------------ finishing
+    def finish(self, seq: Sequence) -> list[int]:
+        """Removes a finished sequence; returns the sampler slot it released (if any)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        released: list[int] = []
+        self._release_slots(seq, released)
+        seq.status = SeqStatus.FINISHED
+        return released
