@@ -1,0 +1,230 @@
+"""Counter-based Gumbel noise and the final draw (pipeline step 12; greedy rows: step 7).
+
+A row's noise depends only on (seed, output position, sample index, token id), never on the
+batch, so a draw is the same alone, in any batch, in any slot and in any process.
+
+The hash (32-bit unsigned arithmetic only; ``*`` is multiplication mod 2**32, ``>>`` a logical
+shift, ``^`` xor, ``+`` addition mod 2**32)::
+
+    R1(x)  = (x ^ (x >> 16)) * 0x21F0AAAD
+    R2(x)  = y ^ (y >> 15)  where  y = (x ^ (x >> 15)) * 0x735A2D97
+    mix(x) = R2(R1(x))
+
+    per row, lane L in 0..3 with c = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)[L]:
+        a = mix(c ^ seed_lo);  a = mix(a ^ seed_hi);  a = mix(a ^ sample_index)
+        key[L] = mix(a ^ position)
+    (seed_lo / seed_hi: low / high 32 bits of the 63-bit seed; sample_index and position
+    taken mod 2**32)
+
+    per token t:  h(t; ka, kb) = R2(R1(t + ka) ^ kb)
+        fp32 noise: b = h(t; key0, key1)                                  (n = 32 bits)
+        fp64 noise: b = (h(t; key0, key1) << 21) | (h(t; key2, key3) >> 11)  (n = 53 bits)
+
+For a fixed row the map t -> h is a bijection, so no two tokens of a row share bits.
+
+From bits to noise: ``u = (2b + 1) / 2**(n+1)`` lies in (0, 1) and is never 0 or 1. The
+exponential ``E = -log(u)`` is computed in the tail-accurate form: for ``b < 2**(n-1)``,
+``E = -log(float(2b + 1) * 2**-(n+1))``; otherwise ``E = -log1p(-float(2c + 1) * 2**-(n+1))``
+with ``c = 2**n - 1 - b`` taken exactly from the integer (``1 - u`` is then exact, so the
+largest noise values, which let tail tokens win, are resolved down to ``2**-(n+1)``). The
+Gumbel noise is ``g = -log(E)`` (float32 by default, float64 with ``precision="fp64"``), and
+the draw is ``argmax_t(logit_t + g_t)`` over the surviving (finite) logits. In torch the
+unsigned arithmetic is emulated with int64 tensors and masking (products split in 16-bit
+halves so nothing overflows).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+NoisePrecision = Literal["fp32", "fp64"]
+
+M32 = 0xFFFFFFFF
+MUL_A = 0x21F0AAAD
+MUL_B = 0x735A2D97
+LANE_CONSTANTS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+# rows * vocab elements handled at once: bounds the int64 temporaries of the hash.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 tensors holding values in [0, 2**32), without overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & M32
+
+
+def _round1(x: torch.Tensor) -> torch.Tensor:
+    return _mul32(x ^ (x >> 16), MUL_A)
+
+
+def _round2(x: torch.Tensor) -> torch.Tensor:
+    y = _mul32(x ^ (x >> 15), MUL_B)
+    return y ^ (y >> 15)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """The two-round 32-bit mixer ``mix`` of the module docstring (int64 in, int64 out)."""
+    return _round2(_round1(x))
+
+
+def compute_row_keys(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    sample_indices: torch.Tensor,
+    num_lanes: int = 2,
+) -> torch.Tensor:
+    """Per-row hash keys from (seed, output position, sample index).
+
+    Args:
+        seeds: ``[rows]`` int64, each in ``[0, 2**63)``.
+        positions: ``[rows]`` int64 output positions (number of tokens already generated).
+        sample_indices: ``[rows]`` int64 sample index (which of the n samples).
+        num_lanes: 2 for fp32 noise, 4 for fp64 noise.
+
+    Returns:
+        ``[rows, num_lanes]`` int64 keys, each in ``[0, 2**32)``.
+    """
+    if num_lanes not in (2, 4):
+        raise ValueError(f"num_lanes: must be 2 or 4, got {num_lanes}")
+    seeds = seeds.to(torch.int64)
+    seed_lo = seeds & M32
+    seed_hi = (seeds >> 32) & M32
+    sidx = sample_indices.to(torch.int64) & M32
+    pos = positions.to(torch.int64) & M32
+    keys = []
+    for lane in range(num_lanes):
+        a = mix32(seed_lo ^ LANE_CONSTANTS[lane])
+        a = mix32(a ^ seed_hi)
+        a = mix32(a ^ sidx)
+        keys.append(mix32(a ^ pos))
+    return torch.stack(keys, dim=1)
+
+
+def compute_hash_bits(
+    keys: torch.Tensor, vocab_size: int, precision: NoisePrecision = "fp32"
+) -> torch.Tensor:
+    """The per-token random bits ``b`` of every (row, token).
+
+    Args:
+        keys: ``[rows, lanes]`` int64 row keys from :func:`compute_row_keys` (2 lanes for
+            fp32, 4 for fp64).
+        vocab_size: number of tokens per row.
+        precision: "fp32" (32 bits per token) or "fp64" (53 bits per token).
+
+    Returns:
+        ``[rows, vocab_size]`` int64 bits in ``[0, 2**32)`` or ``[0, 2**53)``.
+    """
+    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
+
+    def h(ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+        x = (tokens + ka[:, None]) & M32
+        return _round2(_round1(x) ^ kb[:, None])
+
+    bits = h(keys[:, 0], keys[:, 1])
+    if precision == "fp32":
+        return bits
+    if precision != "fp64":
+        raise ValueError(f"precision: must be 'fp32' or 'fp64', got {precision!r}")
+    if keys.shape[1] < 4:
+        raise ValueError("keys: fp64 noise needs 4 key lanes")
+    return (bits << 21) | (h(keys[:, 2], keys[:, 3]) >> 11)
+
+
+def gumbel_from_bits(bits: torch.Tensor, precision: NoisePrecision = "fp32") -> torch.Tensor:
+    """Gumbel noise ``g = -log(E)`` from hash bits, with the tail-accurate ``E`` (docstring).
+
+    Args:
+        bits: int64 tensor of 32-bit (fp32) or 53-bit (fp64) values.
+        precision: "fp32" or "fp64"; sets both the bit width and the result dtype.
+
+    Returns:
+        Tensor of the shape of ``bits``, float32 or float64.
+    """
+    n = 32 if precision == "fp32" else 53
+    dtype = torch.float32 if precision == "fp32" else torch.float64
+    scale = 2.0 ** -(n + 1)
+    low = bits < (1 << (n - 1))
+    u = (2 * bits + 1).to(dtype) * scale  # exact where it matters (u < 1/2)
+    one_minus_u = (2 * ((1 << n) - 1 - bits) + 1).to(dtype) * scale  # exact for u >= 1/2
+    e = torch.where(low, -torch.log(u), -torch.log1p(-one_minus_u))
+    return -torch.log(e)
+
+
+def compute_gumbel_noise(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    sample_indices: torch.Tensor,
+    vocab_size: int,
+    precision: NoisePrecision = "fp32",
+) -> torch.Tensor:
+    """Gumbel noise for whole rows.
+
+    Args:
+        seeds, positions, sample_indices: ``[rows]`` int64 (see :func:`compute_row_keys`).
+        vocab_size: tokens per row.
+        precision: "fp32" (default) or "fp64".
+
+    Returns:
+        ``[rows, vocab_size]`` float32 (or float64) noise.
+
+    Example:
+        >>> g = compute_gumbel_noise(torch.tensor([7]), torch.tensor([0]), torch.tensor([0]), 5)
+        >>> g.shape
+        torch.Size([1, 5])
+    """
+    keys = compute_row_keys(seeds, positions, sample_indices, 2 if precision == "fp32" else 4)
+    return gumbel_from_bits(compute_hash_bits(keys, vocab_size, precision), precision)
+
+
+def compute_sampled_ids(
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    is_greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    sample_indices: torch.Tensor,
+    *,
+    any_greedy: bool = True,
+    any_random: bool = True,
+    precision: NoisePrecision = "fp32",
+) -> torch.Tensor:
+    """Draws one token per row: argmax for greedy rows, Gumbel-max for the others.
+
+    Args:
+        logits: ``[rows, vocab]`` float32 processed logits (masked tokens are -inf).
+        idx_mapping: ``[rows]`` int64, the slot of each row.
+        is_greedy: ``[max_num_seqs]`` bool per slot.
+        seeds, positions, sample_indices: ``[max_num_seqs]`` int64 per slot.
+        any_greedy, any_random: host-side predicates; when one is False its path is skipped
+            (the all-random and all-greedy fast paths).
+        precision: noise precision, "fp32" or "fp64".
+
+    Returns:
+        ``[rows]`` int64 token ids. Greedy ties go to the lowest id; a row that is all -inf
+        returns id 0.
+    """
+    rows, vocab = logits.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    if not (any_greedy or any_random):  # no host knowledge: take both paths
+        any_greedy = any_random = True
+    greedy_ids = logits.argmax(dim=-1) if any_greedy else None
+    if not any_random:
+        return greedy_ids
+    seeds_r, pos_r, sidx_r = seeds[idx_mapping], positions[idx_mapping], sample_indices[idx_mapping]
+    chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    parts = []
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        noise = compute_gumbel_noise(
+            seeds_r[start:stop], pos_r[start:stop], sidx_r[start:stop], vocab, precision
+        )
+        scores = noise.add_(logits[start:stop].to(noise.dtype))
+        parts.append(scores.argmax(dim=-1))
+    random_ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if not any_greedy:
+        return random_ids
+    return torch.where(is_greedy[idx_mapping], greedy_ids, random_ids)

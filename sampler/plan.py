@@ -1,0 +1,110 @@
+"""Host-side predicates of one step: which pipeline steps run (no device sync).
+
+They are computed from the host mirrors of :class:`~sampler.state.SamplerState`, over the
+batch's slots when the host knows them, else over every active slot (a superset: the ops stay
+exact for rows that do not need them, they only cost time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sampler.ops.logprobs import OFF
+from sampler.state import (
+    HAS_ALLOWED,
+    IS_GREEDY,
+    LOG_MIN_P,
+    MIN_TOKENS,
+    MODE,
+    NUM_LOGPROBS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplerState,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Which steps a batch needs.
+
+    Attributes:
+        any_greedy, any_random: whether some row is greedy / random.
+        do_allowed, do_bad_words, do_min_tokens, do_logit_bias, do_penalties: masks and
+            penalties (steps 2–6).
+        do_temperature, do_min_p, do_top_k, do_top_p: steps 8–11 (random rows only).
+        max_top_k: the largest active top-k (0 when none).
+        modes: the logprobs-mode codes of the rows that asked for logprobs.
+        max_num_logprobs: K, the top-k output width (vocab size if a row asked for -1).
+    """
+
+    any_greedy: bool
+    any_random: bool
+    do_allowed: bool = False
+    do_bad_words: bool = False
+    do_min_tokens: bool = False
+    do_logit_bias: bool = False
+    do_penalties: bool = False
+    do_temperature: bool = False
+    do_min_p: bool = False
+    do_top_k: bool = False
+    do_top_p: bool = False
+    max_top_k: int = 0
+    modes: frozenset[int] = frozenset()
+    max_num_logprobs: int = 0
+
+    @property
+    def mutates(self) -> bool:
+        """Whether any step writes the working logits."""
+        return (
+            self.do_allowed or self.do_bad_words or self.do_min_tokens or self.do_logit_bias
+            or self.do_penalties or self.do_temperature or self.do_min_p or self.do_top_k
+            or self.do_top_p
+        )
+
+    @property
+    def any_logprobs(self) -> bool:
+        return bool(self.modes)
+
+
+def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
+    """Derives the step plan from the host mirrors.
+
+    Args:
+        state: the sampler state (host mirrors up to date with add/remove).
+        rows_host: the batch's slots as a host int array, or None when only the device knows
+            them (then every active slot counts).
+
+    Returns:
+        The :class:`StepPlan` of the batch.
+    """
+    sel = rows_host if rows_host is not None else np.flatnonzero(state.active)
+    f = state.fparams_host[sel]
+    i = state.iparams_host[sel]
+    greedy = i[:, IS_GREEDY] != 0
+    random = ~greedy
+    vocab = state.vocab_size
+    k = i[:, TOP_K]
+    k_active = random & (k > 0) & (k < vocab)
+    num_logprobs = i[:, NUM_LOGPROBS]
+    asked = num_logprobs != OFF
+    widths = np.where(num_logprobs == -1, vocab, num_logprobs)[asked]
+    return StepPlan(
+        any_greedy=bool(greedy.any()),
+        any_random=bool(random.any()),
+        do_allowed=bool((i[:, HAS_ALLOWED] != 0).any()),
+        do_bad_words=bool(state.has_bad_words[sel].any()),
+        do_min_tokens=bool((i[:, MIN_TOKENS] > state.pos_host[sel]).any()),
+        do_logit_bias=bool(state.has_bias[sel].any()),
+        do_penalties=bool(state.has_penalties[sel].any()),
+        do_temperature=bool((random & (f[:, TEMPERATURE] != 1.0)).any()),
+        do_min_p=bool((random & (f[:, LOG_MIN_P] > -math.inf)).any()),
+        do_top_k=bool(k_active.any()),
+        do_top_p=bool((random & (f[:, TOP_P] < 1.0)).any()),
+        max_top_k=int(k[k_active].max()) if k_active.any() else 0,
+        modes=frozenset(int(m) for m in np.unique(i[asked, MODE])),
+        max_num_logprobs=int(widths.max()) if widths.size else 0,
+    )

@@ -1,0 +1,176 @@
+"""The stateful ``Sampler`` the engine drives: per-slot state, one ``sample()`` per step."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from sampler.backends import resolve_backend
+from sampler.ops.gumbel import NoisePrecision
+from sampler.output import SamplerOutput
+from sampler.params import SamplingParams
+from sampler.pipeline import run_pipeline
+from sampler.plan import make_plan
+from sampler.state import SamplerState, to_device
+from sampler.validation import (
+    as_bad_words,
+    as_seed,
+    as_token_array,
+    check_logits,
+)
+
+
+def _as_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+    return value
+
+
+class Sampler:
+    """Logits -> token ids + logprobs for a persistent batch of ``max_num_seqs`` slots.
+
+    Args:
+        max_num_seqs: number of slots (the engine's largest batch).
+        vocab_size: logit width, vocab padding excluded.
+        device: device of the logits and of the per-slot state.
+        eos_token_ids: the model's EOS ids (masked until ``min_tokens``, even under
+            ``ignore_eos``).
+        max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+        backend: "auto" | "torch" | "triton" | "flashinfer", chosen once here.
+        noise_precision: "fp32" (default) or "fp64" Gumbel noise.
+
+    Example:
+        >>> s = Sampler(4, 10, device="cpu", eos_token_ids=[0])
+        >>> s.add_request(2, SamplingParams(temperature=0.0), [1, 2], seed=7)
+        >>> s.sample(torch.arange(10.0)[None, :], [2]).token_ids
+        tensor([9])
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        vocab_size: int,
+        *,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int = 20,
+        backend: str = "auto",
+        noise_precision: NoisePrecision = "fp32",
+    ) -> None:
+        self.max_num_seqs = _as_positive_int("max_num_seqs", max_num_seqs)
+        self.vocab_size = _as_positive_int("vocab_size", vocab_size)
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be an int >= 0, got {max_logprobs!r}")
+        if noise_precision not in ("fp32", "fp64"):
+            raise ValueError(f"noise_precision: must be 'fp32' or 'fp64', got {noise_precision!r}")
+        self.device = torch.device(device)
+        self.max_logprobs = max_logprobs
+        self.noise_precision: NoisePrecision = noise_precision
+        eos = as_token_array("eos_token_ids", list(eos_token_ids), vocab_size).tolist()
+        self.eos_token_ids = list(dict.fromkeys(eos))
+        self.backend = resolve_backend(backend, self.device)
+        self.state = SamplerState(self.max_num_seqs, self.vocab_size, self.device,
+                                  self.eos_token_ids)
+
+    # ------------------------------------------------------------------ requests
+    def _check_slot(self, slot: object) -> int:
+        if type(slot).__module__ == "numpy" and hasattr(slot, "item"):
+            slot = slot.item()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
+            raise ValueError(f"slot: must be an int in [0, {self.max_num_seqs}), got {slot!r}")
+        return slot
+
+    def add_request(
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        *,
+        seed: int,
+        sample_index: int = 0,
+        output_token_ids: Sequence[int] = (),
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """Puts a request (one sample of it) into ``slot``, replacing what was there.
+
+        Args:
+            slot: the slot, in ``[0, max_num_seqs)``.
+            params: the request's validated SamplingParams (checked against the vocab here).
+            prompt_token_ids: the prompt ids (repetition penalty's prompt set).
+            seed: the resolved seed, in ``[0, 2**63)`` (never None: resolve unseeded
+                requests with :func:`~sampler.seeding.derive_seed` first).
+            sample_index: which of the request's n samples this slot draws.
+            output_token_ids: tokens already generated (re-admission after preemption): the
+                output position and the counts continue from them; -1 marks a token not known
+                yet (counted in the position, never in the counts).
+            bad_words_token_ids: the request's bad words, tokenized (each word as given and
+                with a leading space), as lists of ids.
+
+        Raises:
+            ValueError: naming the argument, for an invalid slot, seed, id or parameter.
+        """
+        slot = self._check_slot(slot)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+        params.verify_for_model(self.vocab_size, max_logprobs=self.max_logprobs)
+        seed = as_seed(seed)
+        if isinstance(sample_index, bool) or not isinstance(sample_index, int) or sample_index < 0:
+            raise ValueError(f"sample_index: must be an int >= 0, got {sample_index!r}")
+        prompt = as_token_array("prompt_token_ids", prompt_token_ids, self.vocab_size)
+        output = as_token_array("output_token_ids", output_token_ids, self.vocab_size,
+                                allow_placeholder=True)
+        words = as_bad_words(bad_words_token_ids, self.vocab_size)
+        self.state.add_request(slot, params, prompt, output, seed, sample_index, words)
+
+    def remove_request(self, slot: int) -> None:
+        """Frees ``slot`` (finished, aborted or preempted request)."""
+        self.state.remove_request(self._check_slot(slot))
+
+    # ------------------------------------------------------------------ step
+    def _index(self, slots: Sequence[int] | torch.Tensor, rows: int
+               ) -> tuple[torch.Tensor, np.ndarray | None]:
+        if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+            if slots.dim() != 1 or slots.shape[0] != rows:
+                raise ValueError(f"slots: expected shape [{rows}], got {tuple(slots.shape)}")
+            return slots.to(self.device, torch.int64), None
+        host = np.asarray(slots.numpy() if isinstance(slots, torch.Tensor) else slots)
+        if host.size == 0:
+            host = host.astype(np.int64)
+        if host.ndim != 1 or host.shape[0] != rows or not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"slots: expected {rows} slot ids (one per logits row)")
+        host = host.astype(np.int64)
+        if host.size and (host.min() < 0 or host.max() >= self.max_num_seqs):
+            raise ValueError(f"slots: slot ids must be in [0, {self.max_num_seqs})")
+        if not self.state.active[host].all():
+            raise ValueError(f"slots: slot {int(host[~self.state.active[host]][0])} has no request")
+        if np.unique(host).size != host.size:
+            raise ValueError("slots: a slot appears twice in one batch")
+        return to_device(host, self.device), host
+
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor) -> SamplerOutput:
+        """Samples one token per row and advances each row's slot.
+
+        Args:
+            logits: ``[rows, vocab_size]`` float32/bf16/fp16 on ``device`` (a vocab slice of a
+                padded tensor is fine). Float32 logits are overwritten (they end as the
+                processed logits); bf16/fp16 logits are left untouched.
+            slots: the slot of each row: a list of ints, a CPU LongTensor, or a LongTensor on
+                the device (then the host-side predicates consider every active slot).
+
+        Returns:
+            :class:`~sampler.output.SamplerOutput` on the device. The slots' output
+            positions, output-token counts and recent tokens are updated from the sampled ids
+            on the device; nothing here waits for the device.
+        """
+        logits = check_logits(logits, self.vocab_size)
+        if logits.device != self.device:
+            raise ValueError(f"logits: must be on {self.device}, got {logits.device}")
+        idx, rows_host = self._index(slots, logits.shape[0])
+        self.state.flush()
+        plan = make_plan(self.state, rows_host)
+        out = run_pipeline(logits, idx, self.state, plan, inplace=True,
+                           precision=self.noise_precision)
+        self.state.record_sampled(idx, out.token_ids, rows_host)
+        return out
