@@ -4,7 +4,8 @@ Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has
 shard's requests while the current one drains. A shard whose attempt failed (its actor died,
 its engine broke, or it raised) is retried alone on an idle actor, so a later failure is
 blamed on it and not on a bystander; after ``max_attempts`` its rows are written as error rows
-by the driver. A part-file write failure (the output storage) ends the job.
+by the driver. A part-file write failure (the output storage) ends the job, and so does a shard
+that runs out of attempts before any shard succeeded (a broken setup, not a bad shard).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Dispatcher:
         self._retry: deque[tuple[int, int]] = deque()
         self.retried: set[int] = set()
         self.failed: set[int] = set()
+        self.succeeded = 0
 
     def run(self, shard_ids: list[int]) -> None:
         """Processes ``shard_ids`` in order; returns when all are committed."""
@@ -157,6 +159,7 @@ class Dispatcher:
             return
         if not slot.inflight:
             slot.exclusive = False
+        self.succeeded += 1
         self._commit(result, slot.name)
 
     def _attempt_failed(self, task: ShardTask, reason: str) -> None:
@@ -165,6 +168,10 @@ class Dispatcher:
             logger.warning("shard %d attempt %d failed: %s", task.shard_id, task.attempt, reason)
             self._retry.append((task.shard_id, task.attempt + 1))
             return
+        if not self.succeeded:  # nothing works at all: a broken setup, not a bad shard
+            raise RuntimeError(f"shard {task.shard_id} failed {task.attempt} times before any "
+                               f"shard succeeded, so the job stops (committed shards are kept "
+                               f"for a rerun): {reason}")
         logger.error("shard %d failed %d times, writing its rows as errors: %s",
                      task.shard_id, task.attempt, reason)
         self.failed.add(task.shard_id)
