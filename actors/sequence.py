@@ -35,7 +35,7 @@ class Request:
     prompt_top_logprobs: list[list[dict[str, Any]] | None] | None = None
     num_prompt_rows_scored: int = 0   # rows 0..k-1 scored (row p scores prompt token p+1)
     num_unfinished: int = 0           # samples not yet finished
-    aborted: bool = False
+    sequences: list[Sequence] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,4 +108,5 @@ class Sequence:
             block_hashes=list(self.block_hashes),
             num_registered_blocks=self.num_registered_blocks,
         )
+        self.request.sequences.append(child)
         return child

@@ -1,0 +1,222 @@
+"""The engine: requests in, finished ``GenerationOutput`` rows out, one ``step()`` at a time.
+
+A step schedules work (continuous batching over a paged KV cache), launches it on the device,
+and only then reads back the *previous* step's sampled tokens to detokenize and check stops,
+so on a GPU the host work overlaps the device work. Tokens a step sampled for a sequence that
+the previous step finished are dropped.
+
+Threading: ``add_request`` and ``abort_request`` may be called from any thread at any time
+(they queue; the next ``step()`` applies them). ``step()`` and ``generate()`` are serialised
+by a lock; one thread should drive the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Iterable, Mapping
+
+from actors.config import EngineConfig
+from actors.executor import InflightStep, StepExecutor
+from actors.outputs import GenerationOutput
+from actors.sequence import Request, Sequence, SeqStatus
+from actors.setup import EngineParts, build_engine_parts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig"]
+
+
+class Engine:
+    """Continuous-batching generation over one model.
+
+    Args:
+        model: local directory or hub id.
+        config: an ``EngineConfig``, a dict of its fields, or None.
+
+    Example:
+        >>> engine = Engine("/tmp/tiny-llama", {"max_num_seqs": 8})  # doctest: +SKIP
+        >>> outs = engine.generate([("a", "Hello", {"max_tokens": 4, "seed": 1})])  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str, config: EngineConfig | Mapping[str, Any] | None = None):
+        self.config = EngineConfig.coerce(config)
+        parts: EngineParts = build_engine_parts(str(model), self.config)
+        self.model_name = str(model)
+        self.loaded = parts.loaded
+        self.tokenizer = parts.loaded.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.kv_cache = parts.kv_cache
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.inputs = parts.inputs
+        self.outputs = parts.outputs
+        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk)
+        self._requests: dict[Any, Request] = {}
+        self._inflight: InflightStep | None = None
+        self._ready: list[GenerationOutput] = []
+        self._inbox: list[tuple[str, Any, Any, Any]] = []
+        self._inbox_lock = threading.Lock()
+        self._step_lock = threading.RLock()
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: Any, prompt: Any, params: Any = None) -> None:
+        """Queues a request (thread-safe; never raises for bad request data: a bad request
+        comes back from ``step()`` as one ``finish_reason="error"`` output per sample)."""
+        with self._inbox_lock:
+            self._inbox.append(("add", request_id, prompt, params))
+
+    def abort_request(self, request_id: Any) -> None:
+        """Stops a request; its samples come back from ``step()`` with finish_reason "abort"
+        (thread-safe; unknown or finished ids are ignored)."""
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id, None, None))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._inbox_lock:
+            queued = bool(self._inbox)
+        return queued or bool(self._requests or self._ready or self._inflight is not None)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, request_id, prompt, params in inbox:
+            if kind == "add":
+                self._add(request_id, prompt, params)
+            else:
+                self._abort(request_id)
+
+    def _add(self, request_id: Any, prompt: Any, params: Any) -> None:
+        n, seed = self.inputs.describe(request_id, params)
+        if request_id in self._requests:
+            self._ready += self.outputs.error_outputs(
+                request_id, n, f"request id {request_id!r} is already running", seed=seed)
+            return
+        try:
+            request = self.inputs.build(request_id, prompt, params, next(self._arrivals))
+        except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
+            logger.debug("request %r rejected: %s", request_id, exc)
+            self._ready += self.outputs.error_outputs(request_id, n, str(exc), seed=seed)
+            return
+        seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
+        request.sequences.append(seq)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def _abort(self, request_id: Any) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in list(request.sequences):
+            if not seq.is_finished:
+                self.outputs.abort(seq)
+                self._ready.append(self._finish(seq))
+        for j in range(len(request.sequences), request.params.n):  # never forked
+            self._ready.append(GenerationOutput(
+                id=request_id, sample_index=j, finish_reason="abort",
+                output_text="" if request.params.detokenize else None,
+                num_prompt_tokens=request.num_prompt_tokens, seed=request.seed))
+        self._requests.pop(request_id, None)
+
+    def _finish(self, seq: Sequence) -> GenerationOutput:
+        for slot in self.scheduler.finish(seq):
+            self.sampler.remove_request(slot)
+        request = seq.request
+        request.num_unfinished -= 1
+        if request.num_unfinished <= 0:
+            self._requests.pop(request.request_id, None)
+        return self.outputs.build(seq)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[GenerationOutput]:
+        """Runs one step; returns the outputs of the samples that finished (or failed)."""
+        with self._step_lock:
+            self._drain_inbox()
+            sched = self.scheduler.schedule()
+            for slot in sched.released_slots:
+                self.sampler.remove_request(slot)
+            for seq in sched.admitted:
+                self._admit_to_sampler(seq)
+            launched = None if sched.is_empty else self.executor.launch(sched, self._inflight)
+            if self._inflight is not None:
+                self._process(self._inflight)
+            self._inflight = launched
+            ready, self._ready = self._ready, []
+            return ready
+
+    def _admit_to_sampler(self, seq: Sequence) -> None:
+        request = seq.request
+        self.outputs.start(seq)
+        self.sampler.add_request(
+            seq.slot, request.params, request.prompt_token_ids, seed=request.seed,
+            sample_index=seq.sample_index, output_token_ids=seq.output_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids)
+
+    def _process(self, step: InflightStep) -> None:
+        for scores in step.prompt_scores:
+            host = scores.output.get()
+            self.outputs.record_prompt_logprobs(
+                scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
+        if step.output is None:
+            return
+        host = step.output.get()
+        tokens = host.token_ids.tolist()
+        values = host.logprobs.tolist() if host.logprobs is not None else None
+        ranks = host.ranks.tolist() if host.ranks is not None else None
+        for row, seq in enumerate(step.sample_seqs):
+            if seq.is_finished:
+                continue  # finished by the previous step (or aborted): this token is dropped
+            if seq.logprobs is not None:
+                self.outputs.record_logprobs(
+                    seq, values[row], ranks[row],
+                    None if host.topk_ids is None else host.topk_ids[row],
+                    None if host.topk_values is None else host.topk_values[row])
+            if self.outputs.append_token(seq, tokens[row], step.pending_pos[row]):
+                self._ready.append(self._finish(seq))
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, requests: Iterable[tuple[Any, Any, Any]]) -> list[GenerationOutput]:
+        """Runs ``[(request_id, prompt, params)]`` to completion; returns their outputs in
+        request order, then sample_index. Outputs of other requests finishing meanwhile are
+        kept for the next ``step()``."""
+        requests = list(requests)
+        order = {rid: i for i, (rid, _, _) in enumerate(requests)}
+        if len(order) != len(requests):
+            raise ValueError("generate: request ids must be unique")
+        with self._step_lock:
+            for rid, prompt, params in requests:
+                self.add_request(rid, prompt, params)
+            mine: list[GenerationOutput] = []
+            others: list[GenerationOutput] = []
+            while True:
+                for out in self.step():
+                    (mine if out.id in order else others).append(out)
+                if not any(rid in self._requests for rid in order):
+                    break
+            self._ready = others + self._ready
+        mine.sort(key=lambda o: (order[o.id], o.sample_index))
+        return mine
+
+    def info(self) -> dict[str, Any]:
+        """Model and engine facts."""
+        return {
+            "model": self.model_name,
+            "architecture": self.loaded.architecture,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).replace("torch.", ""),
+            "vocab_size": self.loaded.vocab_size,
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.kv_cache.num_blocks,
+            "block_size": self.kv_cache.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "attention_backend": self.executor.runner.backend.name,
+        }
+
+    @property
+    def stats(self):
+        """Scheduler counters (prompt tokens computed, cached, preemptions, steps)."""
+        return self.scheduler.stats

@@ -1,0 +1,118 @@
+"""Launching one scheduled step on the device and reading it back one step later.
+
+``StepExecutor.launch`` runs the model, the LM head on the rows that need it, the sampler,
+and the prompt-logprob scoring, and starts the device-to-host copies (``AsyncOutput``); it
+returns an ``InflightStep`` without waiting for the device. The sampled ids stay on the
+device for the next launch to gather its decode inputs from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actors.model_runner import ModelRunner
+from actors.scheduler import SchedulerOutput
+from actors.sequence import PENDING, Request, Sequence
+from sampler import AsyncOutput, Sampler, compute_prompt_logprobs
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Prompt positions scored in a step, for one request (values copied asynchronously)."""
+
+    request: Request
+    positions: np.ndarray   # prompt token indices scored (each >= 1)
+    output: AsyncOutput
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A launched step whose results the host has not read yet."""
+
+    sample_seqs: list[Sequence]
+    pending_pos: list[int]                 # index of each row's placeholder in its token_ids
+    output: AsyncOutput | None             # sampler results (None: no row sampled)
+    token_ids: torch.Tensor | None         # [rows] sampled ids, on the device
+    prompt_scores: list[PromptScores] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class StepExecutor:
+    """Runs scheduled steps: model, LM head, sampler, prompt logprobs.
+
+    Args:
+        runner: the model runner.
+        sampler: the stateful sampler (one slot per running sequence).
+        prompt_logprobs_chunk: rows per LM-head chunk when scoring prompts.
+    """
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, prompt_logprobs_chunk: int):
+        self.runner = runner
+        self.sampler = sampler
+        self.chunk = prompt_logprobs_chunk
+
+    @torch.no_grad()
+    def launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
+        """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids."""
+        inputs = self.runner.prepare(sched)
+        hidden = self.runner.execute(inputs, prev.token_ids if prev is not None else None)
+        step = InflightStep([], [], None, None, num_tokens=sched.num_tokens)
+        step.prompt_scores = self._score_prompts(sched, inputs.query_start_loc, hidden)
+        if sched.sample_seqs:
+            chunk_rows = np.asarray(sched.sample_chunks, np.int64)
+            unique, inverse = np.unique(chunk_rows, return_inverse=True)
+            logits = self.runner.compute_logits(hidden[torch.from_numpy(
+                inputs.last_index[unique]).to(hidden.device)])
+            if len(unique) != len(chunk_rows):  # forked samples share their parent's row
+                logits = logits[torch.from_numpy(inverse.reshape(-1)).to(hidden.device)]
+            slots = [seq.slot for seq in sched.sample_seqs]
+            out = self.sampler.sample(logits, slots)
+            step.output = AsyncOutput(out)
+            step.token_ids = out.token_ids
+            for row, seq in enumerate(sched.sample_seqs):
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+                seq.pending_row = row
+                step.pending_pos.append(len(seq.token_ids) - 1)
+            step.sample_seqs = list(sched.sample_seqs)
+        return step
+
+    def _score_prompts(self, sched: SchedulerOutput, query_start_loc: np.ndarray,
+                       hidden: torch.Tensor) -> list[PromptScores]:
+        """Prompt logprobs of the rows this step computed that score a prompt token."""
+        scores = []
+        for i, chunk in enumerate(sched.chunks):
+            request = chunk.seq.request
+            params = request.params
+            if params.prompt_logprobs is None or request.prompt_scoring_done:
+                continue
+            first = max(chunk.start, request.num_prompt_rows_scored)
+            end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            request.num_prompt_rows_scored = end
+            row0 = int(query_start_loc[i]) + first - chunk.start
+            targets = request.prompt_token_ids[first + 1:end + 1]
+            parts = []
+            for s in range(0, end - first, self.chunk):
+                rows = hidden[row0 + s:row0 + min(s + self.chunk, end - first)]
+                parts.append(compute_prompt_logprobs(
+                    self.runner.compute_logits(rows), targets[s:s + self.chunk],
+                    params.prompt_logprobs, mode=params.logprobs_mode,
+                    temperature=params.temperature))
+            out = parts[0] if len(parts) == 1 else _concat(parts)
+            positions = np.arange(first + 1, end + 1, dtype=np.int64)
+            scores.append(PromptScores(request, positions, AsyncOutput(out)))
+        return scores
+
+
+def _concat(parts: list) -> object:
+    from sampler import SamplerOutput
+
+    fields = ("token_ids", "logprobs", "ranks", "topk_ids", "topk_values")
+    return SamplerOutput(*(
+        None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+        for f in fields))

@@ -1,0 +1,153 @@
+"""Host side of a finished step: record sampled tokens and logprobs, detokenize, check the
+stop conditions of SAMPLER_SPEC §4, and build ``GenerationOutput`` rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actors.detokenizer import IncrementalDetokenizer, find_stop_string
+from actors.outputs import GenerationOutput
+from actors.sequence import PENDING, Request, Sequence
+
+
+class OutputProcessor:
+    """Applies sampled tokens to sequences and decides when they finish.
+
+    Args:
+        tokenizer: for detokenization.
+        max_model_len: sequences stop ("length") at this many tokens.
+        vocab_size: width of a ``logprobs=-1`` top list.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def start(self, seq: Sequence) -> None:
+        """Prepares a sequence's output state (first admission or a fork)."""
+        params = seq.request.params
+        if seq.detok is None and params.detokenize:
+            seq.detok = IncrementalDetokenizer(
+                self.tokenizer, seq.request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+        if params.logprobs is not None and seq.logprobs is None:
+            seq.logprobs, seq.sampled_ranks = [], []
+            if params.logprobs != 0:
+                seq.top_logprobs = []
+
+    # ------------------------------------------------------------------ per token
+    def record_logprobs(self, seq: Sequence, value: float, rank: int,
+                        top_ids: np.ndarray | None, top_values: np.ndarray | None) -> None:
+        """Appends one step's sampled-token value, rank and top-k to the sequence."""
+        seq.logprobs.append(value)
+        seq.sampled_ranks.append(rank)
+        if seq.top_logprobs is not None:
+            k = seq.request.params.logprobs
+            k = self.vocab_size if k == -1 else k
+            seq.top_logprobs.append(_pairs(top_ids[:k], top_values[:k]))
+
+    def append_token(self, seq: Sequence, token_id: int, pos: int) -> bool:
+        """Writes the sampled ``token_id`` at ``pos`` (its placeholder); returns whether the
+        sequence finished with it (finish_reason / stop_reason set, later tokens dropped)."""
+        assert seq.token_ids[pos] == PENDING
+        seq.token_ids[pos] = token_id
+        seq.num_pending -= 1
+        request = seq.request
+        params = request.params
+        num_out = pos + 1 - request.num_prompt_tokens
+        detok = seq.detok
+        stop_allowed = num_out >= params.min_tokens
+        if stop_allowed and token_id in request.stop_token_ids:
+            if detok is not None:
+                if params.include_stop_str_in_output:
+                    detok.add(token_id)
+                else:
+                    detok.skip(token_id)
+            return self._finish(seq, pos, "stop", str(token_id))
+        if detok is not None:
+            new_text = detok.add(token_id)
+            if params.stop and new_text and stop_allowed:
+                hit = find_stop_string(detok.text, len(new_text), params.stop,
+                                       params.include_stop_str_in_output)
+                if hit is not None:
+                    detok.text = detok.text[:hit[1]]
+                    return self._finish(seq, pos, "stop", hit[0])
+        if (params.max_tokens is not None and num_out >= params.max_tokens) \
+                or pos + 1 >= self.max_model_len:
+            if detok is not None:
+                detok.flush()
+            return self._finish(seq, pos, "length", None)
+        return False
+
+    @staticmethod
+    def _finish(seq: Sequence, pos: int, reason: str, stop_reason: str | None) -> bool:
+        del seq.token_ids[pos + 1:]  # a token sampled after this one (in flight) is dropped
+        seq.num_pending = 0
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        return True
+
+    def abort(self, seq: Sequence) -> None:
+        """Marks a sequence aborted, keeping the tokens known so far."""
+        if PENDING in seq.token_ids:
+            del seq.token_ids[seq.token_ids.index(PENDING):]
+        seq.num_pending = 0
+        n_out = seq.num_output_tokens
+        for name in ("logprobs", "sampled_ranks", "top_logprobs"):
+            values = getattr(seq, name)
+            if values is not None:
+                del values[n_out:]
+        if seq.detok is not None:
+            seq.detok.flush()
+        seq.finish_reason, seq.stop_reason = "abort", None
+
+    # ------------------------------------------------------------------ outputs
+    def build(self, seq: Sequence) -> GenerationOutput:
+        """The output row of a finished sequence."""
+        request = seq.request
+        return GenerationOutput(
+            id=request.request_id,
+            sample_index=seq.sample_index,
+            output_text=seq.detok.text if seq.detok is not None else None,
+            output_token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
+            top_logprobs=seq.top_logprobs,
+            sampled_ranks=seq.sampled_ranks,
+            prompt_logprobs=list(request.prompt_logprobs)
+            if request.prompt_logprobs is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            seed=request.seed,
+            prompt_top_logprobs=list(request.prompt_top_logprobs)
+            if request.prompt_top_logprobs is not None else None,
+        )
+
+    @staticmethod
+    def error_outputs(request_id: Any, n: int, error: str, *, seed: int | None = None,
+                      num_prompt_tokens: int = 0) -> list[GenerationOutput]:
+        """One "error" row per sample of a request that could not run."""
+        return [
+            GenerationOutput(id=request_id, sample_index=j, finish_reason="error", error=error,
+                             seed=seed, num_prompt_tokens=num_prompt_tokens)
+            for j in range(max(1, n))
+        ]
+
+    def record_prompt_logprobs(self, request: Request, positions: np.ndarray,
+                               values: np.ndarray, top_ids: np.ndarray | None,
+                               top_values: np.ndarray | None) -> None:
+        """Stores scored prompt positions (``positions`` are the scored token indices)."""
+        k = request.params.prompt_logprobs
+        k = self.vocab_size if k == -1 else k
+        for i, (p, v) in enumerate(zip(positions.tolist(), values.tolist())):
+            request.prompt_logprobs[p] = v
+            if request.prompt_top_logprobs is not None:
+                request.prompt_top_logprobs[p] = _pairs(top_ids[i, :k], top_values[i, :k])
+
+
+def _pairs(ids: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
+    return [{"token_id": i, "logprob": v} for i, v in zip(ids.tolist(), values.tolist())]
