@@ -7,6 +7,7 @@ import json
 import pytest
 
 from jobs.manifest import MANIFEST, SUCCESS
+from sampler import derive_seed
 from jobs.runner import run_job
 from tests.jobs.fakes import FakeActor
 from tests.jobs.helpers import part_stats, read_output, write_jsonl, write_parquet
@@ -14,11 +15,17 @@ from tests.jobs.helpers import part_stats, read_output, write_jsonl, write_parqu
 pytestmark = pytest.mark.ray
 
 
+def _params(i: int) -> str:
+    params = {"max_tokens": 1 + i % 4, "n": 1 + i % 2}
+    if i % 3 == 0:
+        params["seed"] = 1000 + i
+    return json.dumps(params)
+
+
 def _rows(n: int, start: int = 0, special: dict[int, str] | None = None) -> list[dict]:
     special = special or {}
     return [{"id": i, "prompt": special.get(i, f"prompt number {i}"),
-             "sampling_params": json.dumps({"max_tokens": 1 + i % 4, "n": 1 + i % 2, "seed": i}),
-             "tag": f"t{i}"} for i in range(start, start + n)]
+             "sampling_params": _params(i), "tag": f"t{i}"} for i in range(start, start + n)]
 
 
 def _config(tmp_path, model, name="out", **kw):
@@ -37,6 +44,8 @@ def test_job_commits_every_shard_once(ray_local, tmp_path, tiny_llama):
     assert res.input_rows == 63 and res.errors == 0 and res.shards == 6 + 4
     assert sorted(set(out.column("id").to_pylist())) == list(range(63))
     assert out.column("tag").to_pylist() == [f"t{i}" for i in range(63) for _ in range(n[i])]
+    seeds = dict(zip(out.column("id").to_pylist(), out.column("seed").to_pylist()))
+    assert seeds == {i: 1000 + i if i % 3 == 0 else derive_seed(0, i) for i in range(63)}
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert sorted(map(int, manifest["committed"])) == list(range(10))
     assert (tmp_path / "out" / SUCCESS).exists()

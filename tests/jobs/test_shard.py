@@ -1,0 +1,108 @@
+"""One shard in-process (no Ray), with the fake engine: rows, requests, errors, the part file."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from actors.schema import output_schema
+from actors.serving import EngineServer
+from actors.shard import process_shard, read_rows, write_failed_shard
+from jobs.config import JobConfig
+from jobs.inputs import discover
+from jobs.plan import make_task, plan_shards
+from jobs.storage import resolve
+from sampler import derive_seed
+from tests.jobs.fakes import FakeEngine
+from tests.jobs.helpers import write_jsonl, write_parquet
+
+
+def _tasks(tmp_path, rows_per_shard=4, **kw):
+    cfg = JobConfig.from_dict({"model": "m", "input": str(tmp_path / "in"),
+                               "output": str(tmp_path / "out"), "rows_per_shard": rows_per_shard,
+                               "seed": 7, **kw})
+    spec = discover(cfg)
+    out = resolve(cfg.output)
+    out.fs.create_dir(out.path)
+    return [make_task(s, 1, spec, cfg, out) for s in plan_shards(spec, rows_per_shard)]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_read_rows_crosses_row_groups_and_blocks(tmp_path, fmt):
+    rows = [{"id": i, "prompt": f"p{i}"} for i in range(23)]
+    if fmt == "parquet":
+        write_parquet(tmp_path / "in" / "a.parquet", rows, row_group_size=5)
+    else:
+        write_jsonl(tmp_path / "in" / "a.jsonl", rows)
+    tasks = _tasks(tmp_path, rows_per_shard=7)
+    got = [read_rows(t).column("id").to_pylist() for t in tasks]
+    assert got == [list(range(0, 7)), list(range(7, 14)), list(range(14, 21)), [21, 22]]
+
+
+def test_rows_become_requests_and_errors_name_row_and_shard(tmp_path):
+    rows = [
+        {"id": "a", "prompt": "one two", "sampling_params": {"n": 2, "seed": 5, "logprobs": 2}},
+        {"id": "b", "prompt": "three", "sampling_params": {"temperature": None}},
+        {"id": "c", "prompt": "x", "sampling_params": {"top_p": 5.0}},
+        {"id": "d", "prompt": None, "sampling_params": None},
+        {"id": "e", "prompt": "", "sampling_params": None},
+        {"id": "f", "prompt": "ok", "sampling_params": {"prompt_logprobs": 0}},
+    ]
+    write_jsonl(tmp_path / "in" / "a.jsonl", rows)
+    [task] = _tasks(tmp_path, rows_per_shard=10, sampling_params={"max_tokens": 3})
+    result = process_shard(task, EngineServer(FakeEngine()).run)
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    assert part.schema.equals(output_schema(pa.string()))
+    assert part.column("id").to_pylist() == ["a", "a", "b", "c", "d", "e", "f"]
+    assert part.column("sample_index").to_pylist() == [0, 1, 0, 0, 0, 0, 0]
+    errors = dict(zip(part.column("id").to_pylist(), part.column("error").to_pylist()))
+    assert errors["c"] == "row id 'c' (shard 0): sampling_params.top_p: must be in (0, 1], got 5.0"
+    assert errors["d"].startswith("row id 'd' (shard 0): no prompt")
+    assert errors["e"] == "row id 'e' (shard 0): prompt is empty"
+    assert errors["a"] is None and errors["f"] is None
+    seeds = dict(zip(part.column("id").to_pylist(), part.column("seed").to_pylist()))
+    assert seeds["a"] == 5 and seeds["b"] == derive_seed(7, "b") and seeds["c"] is None
+    assert part.column("finish_reason").to_pylist()[3:6] == ["error"] * 3
+    assert part.column("num_output_tokens").to_pylist()[:3] == [3, 3, 3]
+    assert [len(x) for x in part.column("logprobs").to_pylist()[:2]] == [3, 3]
+    assert result.errors == 3 and result.output_rows == 7 and result.rows == 6
+    assert not list((tmp_path / "out").glob(".*"))
+
+
+def test_generated_ids_and_passthrough(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [{"prompt": f"p {i}", "tag": i}
+                                                  for i in range(3)])
+    write_jsonl(tmp_path / "in" / "b.jsonl", [{"prompt_token_ids": [1, 2, 3], "note": "x"}])
+    tasks = _tasks(tmp_path, rows_per_shard=2)
+    server = EngineServer(FakeEngine())
+    for t in tasks:
+        process_shard(t, server.run)
+    table = pq.read_table(tmp_path / "out")
+    assert table.column("id").to_pylist() == ["0", "1", "2", "3"]
+    assert table.column("tag").to_pylist() == [0, 1, 2, None]
+    assert table.column("note").to_pylist() == [None, None, None, "x"]
+    assert table.column("num_prompt_tokens").to_pylist() == [2, 2, 2, 3]
+
+
+def test_failed_shard_writes_every_row_as_error(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": i, "prompt": "p"} for i in range(5)])
+    task = _tasks(tmp_path, rows_per_shard=3)[1]
+    result = write_failed_shard(task, "shard failed after 3 attempts, last: boom")
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    assert part.column("id").to_pylist() == [3, 4] and result.errors == 2
+    assert part.column("error").to_pylist()[0] == (
+        "row id 3 (shard 1): shard failed after 3 attempts, last: boom")
+
+
+def test_params_column_as_json_string(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [
+        {"id": 1, "prompt": "a b", "sampling_params": json.dumps({"n": 3, "max_tokens": 2})},
+        {"id": 2, "prompt": "c", "sampling_params": "{not json"}])
+    [task] = _tasks(tmp_path)
+    process_shard(task, EngineServer(FakeEngine()).run)
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    assert part.column("id").to_pylist() == [1, 1, 1, 2]
+    assert "row id 2 (shard 0): sampling_params: not valid JSON" in part.column("error")[3].as_py()
