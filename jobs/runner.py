@@ -109,7 +109,8 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
         shards_failed=len(dispatcher.failed) if dispatcher else 0,
         actor_share=bar.actor_share(),
     )
-    logger.info("job finished\n%s", result.summary())
+    logger.info("job finished: %d rows (%d errors), %d output tokens in %.1f s",
+                result.rows, result.errors, result.tokens, result.seconds)
     return result
 
 

@@ -7,3 +7,32 @@ them, so ``import toolkit`` stays fast.
 # Bound at import (toolkit/generate.py is light; the engine loads on the first call), so the
 # name ``toolkit.generate`` is the function and not the submodule of the same name.
 from toolkit.generate import generate  # noqa: E402,F401
+
+# Everything else loads on first access (module __getattr__, PEP 562).
+_LAZY = {
+    "SamplingParams": "sampler.params",
+    "GenerationOutput": "actors.outputs",
+    "JobConfig": "jobs.config",
+    "JobResult": "jobs.progress",
+    "run_job": "jobs.runner",
+    "submit_job": "toolkit.submit",
+    "job_status": "toolkit.submit",
+}
+
+__all__ = ["GenerationOutput", "JobConfig", "JobResult", "SamplingParams", "generate",
+           "job_status", "run_job", "submit_job"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toolkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
