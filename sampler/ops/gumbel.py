@@ -29,8 +29,8 @@ with ``c = 2**n - 1 - b`` taken exactly from the integer (``1 - u`` is then exac
 largest noise values, which let tail tokens win, are resolved down to ``2**-(n+1)``). The
 Gumbel noise is ``g = -log(E)`` (float32 by default, float64 with ``precision="fp64"``), and
 the draw is ``argmax_t(logit_t + g_t)`` over the surviving (finite) logits. In torch the
-unsigned arithmetic is emulated with int64 tensors and masking (products split in 16-bit
-halves so nothing overflows).
+unsigned arithmetic is emulated with int64 tensors and masking (the int64
+products wrap modulo 2**64, so their low 32 bits are exact).
 """
 
 from __future__ import annotations
@@ -49,25 +49,23 @@ LANE_CONSTANTS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
 CHUNK_ELEMENTS = 1 << 23
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 tensors holding values in [0, 2**32), without overflow."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & M32
+def _round1_(x: torch.Tensor) -> torch.Tensor:
+    """``R1`` in place on an int64 tensor of 32-bit values. The int64 product of two 32-bit
+    values wraps modulo 2**64, which keeps its low 32 bits exact; the mask keeps those."""
+    x.bitwise_xor_(x >> 16).mul_(MUL_A).bitwise_and_(M32)
+    return x
 
 
-def _round1(x: torch.Tensor) -> torch.Tensor:
-    return _mul32(x ^ (x >> 16), MUL_A)
-
-
-def _round2(x: torch.Tensor) -> torch.Tensor:
-    y = _mul32(x ^ (x >> 15), MUL_B)
-    return y ^ (y >> 15)
+def _round2_(x: torch.Tensor) -> torch.Tensor:
+    """``R2`` in place on an int64 tensor of 32-bit values."""
+    x.bitwise_xor_(x >> 15).mul_(MUL_B).bitwise_and_(M32)
+    x.bitwise_xor_(x >> 15)
+    return x
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """The two-round 32-bit mixer ``mix`` of the module docstring (int64 in, int64 out)."""
-    return _round2(_round1(x))
+    return _round2_(_round1_(x.clone()))
 
 
 def compute_row_keys(
@@ -120,8 +118,8 @@ def compute_hash_bits(
     tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)[None, :]
 
     def h(ka: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-        x = (tokens + ka[:, None]) & M32
-        return _round2(_round1(x) ^ kb[:, None])
+        x = (tokens + ka[:, None]).bitwise_and_(M32)
+        return _round2_(_round1_(x).bitwise_xor_(kb[:, None]))
 
     bits = h(keys[:, 0], keys[:, 1])
     if precision == "fp32":
