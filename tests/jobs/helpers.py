@@ -54,3 +54,25 @@ def part_stats(path: str | os.PathLike) -> dict[str, tuple[int, int]]:
         st = p.stat()
         out[p.name] = (st.st_ino, st.st_mtime_ns)
     return out
+
+
+def _same(x: Any, y: Any, atol: float) -> bool:
+    if isinstance(x, float) and isinstance(y, float):
+        return abs(x - y) <= atol
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_same(a, b, atol) for a, b in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k], atol) for k in x)
+    return x == y
+
+
+def assert_same_rows(a: pa.Table, b: pa.Table, atol: float = 1e-4) -> None:
+    """Equal schemas and rows; every non-float value identical, float values (logprobs)
+    within ``atol``: what stays fixed when batch composition changes between runs."""
+    assert a.schema.equals(b.schema), (a.schema, b.schema)
+    assert a.num_rows == b.num_rows
+    for name in a.column_names:
+        x, y = a.column(name).to_pylist(), b.column(name).to_pylist()
+        bad = [i for i in range(len(x)) if not _same(x[i], y[i], atol)]
+        assert not bad, f"column {name!r} differs in {len(bad)} rows, e.g. {x[bad[0]]!r} vs " \
+                        f"{y[bad[0]]!r}"
