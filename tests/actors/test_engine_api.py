@@ -1,0 +1,125 @@
+"""Engine API: abort, thread-safe add_request, generate() alongside other requests, the async
+step structure (one step in flight), and GenerationActor."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from actors.actor import GenerationActor
+from actors.outputs import SCHEMA_FIELDS, GenerationOutput
+from sampler import SamplingParams
+from tests.actors.helpers import make_engine
+
+LONG = SamplingParams(temperature=1.0, max_tokens=200, seed=1, ignore_eos=True, logprobs=1)
+
+
+def drain(engine):
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_abort_running_and_waiting_requests(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=2)
+    engine.add_request("run", [5, 6, 7], LONG)
+    engine.add_request("fan", [8, 9], LONG.replace(n=2))  # waits: needs 2 free slots
+    for _ in range(6):
+        assert engine.step() == []
+    engine.abort_request("run")
+    engine.abort_request("fan")
+    engine.abort_request("unknown")
+    outs = engine.step()
+    assert [(o.id, o.sample_index, o.finish_reason) for o in outs] == [
+        ("run", 0, "abort"), ("fan", 0, "abort"), ("fan", 1, "abort")]
+    run = outs[0]
+    assert 3 <= run.num_output_tokens <= 6  # what was known when the abort arrived
+    assert len(run.logprobs) == len(run.sampled_ranks) == run.num_output_tokens
+    assert isinstance(run.output_text, str)
+    assert drain(engine) == []
+    bm = engine.scheduler.bm
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sorted(engine.scheduler.free_slots) == [0, 1]
+
+
+def test_one_step_in_flight(tiny_llama):
+    """Step N's tokens are read while step N+1 runs: the first token comes back from the
+    second step() call, and the last output needs a final step with nothing to launch."""
+    engine = make_engine(tiny_llama)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, seed=0, ignore_eos=True))
+    calls = [engine.step() for _ in range(4)]
+    assert [len(c) for c in calls] == [0, 0, 0, 1]
+    assert calls[3][0].num_output_tokens == 3
+    assert engine.stats.num_steps == 4 and not engine.has_unfinished_requests()
+
+
+def test_add_request_from_other_threads_while_stepping(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    params = SamplingParams(temperature=0.7, max_tokens=5, seed=2, ignore_eos=True)
+    expected = {o.id: o.output_token_ids for o in engine.generate(
+        [(i, [5 + i, 6, 7], params) for i in range(12)])}
+
+    started = threading.Event()
+
+    def producer(offset):
+        started.wait()
+        for i in range(offset, 12, 3):
+            engine.add_request(i, [5 + i, 6, 7], params)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    got: dict = {}
+    started.set()
+    while len(got) < 12:
+        for out in engine.step():
+            got[out.id] = out.output_token_ids
+    for t in threads:
+        t.join()
+    assert got == expected
+
+
+def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
+    engine = make_engine(tiny_llama)
+    engine.add_request("other", [5, 6], SamplingParams(max_tokens=2, seed=0, ignore_eos=True))
+    mine = engine.generate([("mine", [7, 8], SamplingParams(max_tokens=8, seed=0,
+                                                            ignore_eos=True))])
+    assert [o.id for o in mine] == ["mine"]
+    assert [o.id for o in drain(engine)] == ["other"]
+    with pytest.raises(ValueError, match="unique"):
+        engine.generate([("x", [5], None), ("x", [6], None)])
+
+
+def test_generation_actor(tiny_llama):
+    actor = GenerationActor(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64,
+                                         "max_model_len": 128})
+    info = actor.info()
+    assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
+    params = [SamplingParams(max_tokens=3, n=2, seed=1), {"max_tokens": 2, "seed": 5},
+              None]
+    outs = actor.generate(["Hello", [5, 6, 7], [{"role": "user", "content": "hi"}]], params)
+    assert [(o.id, o.sample_index) for o in outs] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    assert all(isinstance(o, GenerationOutput) and o.error is None for o in outs)
+    row = outs[2].to_dict()
+    assert tuple(row) == SCHEMA_FIELDS and row["num_output_tokens"] == 2
+    assert row["seed"] == 5 and row["num_prompt_tokens"] == 3
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        actor.generate(["a", "b", "c"], params[:2])
+
+
+@pytest.mark.ray
+def test_generation_actor_under_ray(tiny_llama):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = ray.remote(num_cpus=0)(GenerationActor).remote(
+            tiny_llama, {"max_num_seqs": 2, "num_kv_blocks": 32, "max_model_len": 64})
+        outs = ray.get(remote.generate.remote([[5, 6, 7]], {"max_tokens": 4, "seed": 3}))
+        local = make_engine(tiny_llama).generate([(0, [5, 6, 7], {"max_tokens": 4,
+                                                                  "seed": 3})])
+        assert outs[0].output_token_ids == local[0].output_token_ids
+        assert ray.get(remote.info.remote())["max_num_seqs"] == 2
+    finally:
+        ray.shutdown()
