@@ -64,10 +64,10 @@ class StepExecutor:
         if sched.sample_seqs:
             chunk_rows = np.asarray(sched.sample_chunks, np.int64)
             unique, inverse = np.unique(chunk_rows, return_inverse=True)
-            logits = self.runner.compute_logits(hidden[torch.from_numpy(
-                inputs.last_index[unique]).to(hidden.device)])
+            to_device = self.runner.to_device
+            logits = self.runner.compute_logits(hidden[to_device(inputs.last_index[unique])])
             if len(unique) != len(chunk_rows):  # forked samples share their parent's row
-                logits = logits[torch.from_numpy(inverse.reshape(-1)).to(hidden.device)]
+                logits = logits[to_device(inverse.reshape(-1).astype(np.int64))]
             slots = [seq.slot for seq in sched.sample_seqs]
             out = self.sampler.sample(logits, slots)
             step.output = AsyncOutput(out)
@@ -95,7 +95,9 @@ class StepExecutor:
                 continue
             request.num_prompt_rows_scored = end
             row0 = int(query_start_loc[i]) + first - chunk.start
-            targets = request.prompt_token_ids[first + 1:end + 1]
+            # targets go to the device first: no host-side check, no synchronising copy
+            targets = self.runner.to_device(
+                np.asarray(request.prompt_token_ids[first + 1:end + 1], np.int64))
             parts = []
             for s in range(0, end - first, self.chunk):
                 rows = hidden[row0 + s:row0 + min(s + self.chunk, end - first)]

@@ -103,8 +103,10 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ device side
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A device copy of a host array that never makes the host wait for the device
+        (pinned staging + non-blocking copy on CUDA; shares memory on CPU)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
@@ -116,24 +118,24 @@ class ModelRunner:
         ``prev_token_ids`` is the previous step's sampled ids on the device (needed when some
         inputs are PENDING).
         """
-        input_ids = self._to_device(inputs.input_ids)
+        input_ids = self.to_device(inputs.input_ids)
         if len(inputs.pending_index):
             if prev_token_ids is None:
                 raise RuntimeError("pending decode inputs but no previous sampled ids")
-            index = self._to_device(inputs.pending_index)
-            rows = self._to_device(inputs.pending_rows)
+            index = self.to_device(inputs.pending_index)
+            rows = self.to_device(inputs.pending_rows)
             input_ids = input_ids.clone() if input_ids.device.type == "cpu" else input_ids
             input_ids[index] = prev_token_ids[rows]
-        positions = self._to_device(inputs.positions)
+        positions = self.to_device(inputs.positions)
         metadata = AttentionMetadata(
             num_seqs=len(inputs.seq_lens),
             num_tokens=len(inputs.input_ids),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
-            query_start_loc=self._to_device(inputs.query_start_loc),
-            seq_lens=self._to_device(inputs.seq_lens),
-            block_tables=self._to_device(inputs.block_tables),
-            slot_mapping=self._to_device(inputs.slot_mapping),
+            query_start_loc=self.to_device(inputs.query_start_loc),
+            seq_lens=self.to_device(inputs.seq_lens),
+            block_tables=self.to_device(inputs.block_tables),
+            slot_mapping=self.to_device(inputs.slot_mapping),
             positions=positions,
             query_start_loc_host=inputs.query_start_loc,
             seq_lens_host=inputs.seq_lens,
@@ -143,7 +145,7 @@ class ModelRunner:
         ctx = StepContext(self.backend, metadata, self.backend.plan(metadata))
         hidden = self.forward(input_ids, positions, ctx)
         if len(inputs.copies):
-            copies = self._to_device(inputs.copies)
+            copies = self.to_device(inputs.copies)
             self.kv_cache.copy_blocks(copies[:, 0], copies[:, 1])
         return hidden
 
