@@ -28,6 +28,7 @@ class TorchPlan:
     key_pos: torch.Tensor         # [max_kv] key positions 0..max_kv-1
     causal_mask: torch.Tensor     # [B, 1, max_q, max_kv] bool, True = attend
     padding_mask: torch.Tensor    # [B, 1, max_q, max_kv] bool: grid padding rows -> key 0
+    dense: bool = False           # every sequence has max_q new tokens (e.g. all decodes)
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -64,7 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
         padding = (~valid_q)[:, :, None] & (key_pos == 0)[None, None, :]
         causal = (causal & valid_q[:, :, None]) | padding
         return TorchPlan(metadata, k_rows, v_rows, grid_index, query_pos, key_pos,
-                         causal.unsqueeze(1), padding.unsqueeze(1))
+                         causal.unsqueeze(1), padding.unsqueeze(1),
+                         dense=metadata.num_tokens == num_seqs * max_q)
 
     def _mask(self, plan: TorchPlan, sliding_window: int | None) -> torch.Tensor:
         if sliding_window is None or sliding_window <= 0:
@@ -98,9 +100,12 @@ class TorchAttentionBackend(AttentionBackend):
         k_all = gathered[:, :, 0].reshape(num_seqs, -1, self.num_kv_heads, self.head_dim)
         v_all = gathered[:, :, 1].reshape(num_seqs, -1, self.num_kv_heads, self.head_dim)
 
-        q_grid = query.new_zeros((num_seqs * max_q, self.num_heads, self.head_dim))
-        q_grid[plan.grid_index] = query
-        q_grid = q_grid.view(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        if plan.dense:  # packed order already is the [B, max_q] grid
+            q_grid = query
+        else:
+            q_grid = query.new_zeros((num_seqs * max_q, self.num_heads, self.head_dim))
+            q_grid[plan.grid_index] = query
+        q_grid = q_grid.reshape(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q_grid,
             k_all.transpose(1, 2).to(query.dtype),
@@ -110,4 +115,4 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )                                               # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads, self.head_dim)
-        return out[plan.grid_index]
+        return out if plan.dense else out[plan.grid_index]

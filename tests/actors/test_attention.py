@@ -52,14 +52,22 @@ def _dense(q, k, v, scaling, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+LAYOUTS = {
+    # a fresh prefill, a chunk after a cached prefix, two decodes
+    "mixed": ([0, 5, 9, 2], [7, 4, 1, 1]),
+    # decodes only: the packed order is already the [B, 1] grid
+    "decodes": ([6, 1, 9, 3], [1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("window", [None, 3, 6])
-def test_paged_attention_matches_dense(window):
+def test_paged_attention_matches_dense(window, layout):
     torch.manual_seed(0)
     cache = KVCache(2, 32, BS, KV_HEADS, DIM, torch.float32, "cpu")
     backend = get_attention_backend("torch", cache, num_heads=HEADS, num_kv_heads=KV_HEADS,
                                     head_dim=DIM)
-    # a fresh prefill, a chunk after a cached prefix, two decodes; pages out of order
-    context_lens, query_lens = [0, 5, 9, 2], [7, 4, 1, 1]
+    context_lens, query_lens = LAYOUTS[layout]  # pages below are out of order
     tables = [[3, 7], [12, 1, 30], [5, 6, 9], [20]]
     total = [c + q for c, q in zip(context_lens, query_lens)]
     keys = [torch.randn(n, KV_HEADS, DIM) for n in total]
