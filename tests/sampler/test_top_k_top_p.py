@@ -115,6 +115,17 @@ def test_top_p_hand_made_ties():
         assert keep.tolist() == torch.isfinite(_apply(x, p=p))[0].tolist()
 
 
+def test_top_p_mass_exactly_p_is_not_kept():
+    # e = exp(x - max) = 1, 0.5, 0.5, 0.5 exactly: mass above the 0.5 group is 1 / 2.5 = 0.4
+    half = -torch.log(torch.tensor(2.0))
+    x = torch.stack([torch.tensor(0.0), half, half, half])
+    assert torch.exp(half).item() == 0.5
+    assert torch.isfinite(_apply(x, p=0.4))[0].tolist() == [1, 0, 0, 0]  # 0.4 < 0.4 is false
+    assert torch.isfinite(_apply(x, p=0.41))[0].tolist() == [1, 1, 1, 1]
+    assert reference_top_p_keep(x.numpy(), 0.4).tolist() == [1, 0, 0, 0]
+    assert reference_top_p_keep(x.numpy(), 0.41).tolist() == [1, 1, 1, 1]
+
+
 def test_top_p_extremes():
     x = random_logits(4, 32000, 3)
     x[0, :10] = 20.0  # ten tied top tokens

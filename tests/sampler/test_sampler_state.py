@@ -1,0 +1,183 @@
+"""The stateful Sampler over a randomised persistent batch equals sample_logits on the same
+inputs: requests added, removed, preempted and re-admitted, slots reused, every feature on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from sampler import LOGPROBS_MODES, AsyncOutput, Sampler, SamplingParams, derive_seed, sample_logits
+from sampler.output import SamplerOutput
+
+from tests.sampler.helpers import assert_same_output
+
+EOS = [0, 1]
+
+
+@dataclass
+class Live:
+    params: SamplingParams
+    prompt: list[int]
+    sample_index: int
+    bad_words: list[list[int]]
+    output: list[int] = field(default_factory=list)
+
+
+def _random_request(rng: random.Random, vocab: int, serial: int) -> Live:
+    bad = []
+    if rng.random() < 0.4:
+        bad = [[rng.randrange(vocab) for _ in range(rng.choice([1, 2, 3]))] for _ in range(2)]
+        bad.append([7, 8])  # a prefix that the planted logits make likely
+    params = SamplingParams(
+        temperature=rng.choice([0.0, 0.5, 1.0, 1.4]),
+        top_k=rng.choice([0, 0, 1, 5, 40]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.2, 0.8]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.4]),
+        presence_penalty=rng.choice([0.0, 0.0, -0.3]),
+        min_tokens=rng.choice([0, 0, 3, 8]),
+        stop_token_ids=rng.choice([[], [5], [5, 6]]),
+        logprobs=rng.choice([None, None, 0, 2, 5, 20]),
+        logprobs_mode=rng.choice(LOGPROBS_MODES),
+        logit_bias=rng.choice([None, {7: 2.0, 8: 1.5, 3: -1.0}]),
+        allowed_token_ids=rng.choice([None, None, None, list(range(0, vocab, 3))]),
+        seed=derive_seed(11, serial),
+        max_tokens=None,
+    )
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+    return Live(params, prompt, rng.randrange(3), bad)
+
+
+def _compare_widths(got: SamplerOutput, want: SamplerOutput) -> None:
+    """Equal, except that ``got`` may carry extra top-k columns of padding."""
+    if want.topk_ids is not None and got.topk_ids is not None:
+        k = want.topk_ids.shape[1]
+        assert (got.topk_ids[:, k:] == -1).all() and torch.isneginf(got.topk_values[:, k:]).all()
+        got = SamplerOutput(got.token_ids, got.logprobs, got.ranks, got.topk_ids[:, :k],
+                            got.topk_values[:, :k])
+    elif want.topk_ids is None and got.topk_ids is not None:
+        assert (got.topk_ids == -1).all()
+        got = SamplerOutput(got.token_ids, got.logprobs, got.ranks)
+    if want.logprobs is None and got.logprobs is not None:
+        assert got.logprobs.isnan().all()
+        got = SamplerOutput(got.token_ids)
+    assert_same_output(got, want)
+
+
+@pytest.mark.parametrize("vocab,host_slots", [(300, True), (4099, True), (300, False)])
+def test_fifty_steps_equal_stateless(vocab, host_slots, monkeypatch):
+    rng = random.Random(vocab + host_slots)
+    max_num_seqs = 12
+    sampler = Sampler(max_num_seqs, vocab, device="cpu", eos_token_ids=EOS)
+    if not host_slots:  # as with slots on a GPU: predicates over every active slot
+        real = Sampler._index
+        monkeypatch.setattr(Sampler, "_index", lambda self, slots, rows: (real(self, slots, rows)[0], None))
+    live: dict[int, Live] = {}
+    serial = 0
+    seen_reuse = seen_readmit = 0
+    for step in range(50):
+        for slot in list(live):
+            if rng.random() < 0.12:  # finished
+                sampler.remove_request(slot)
+                del live[slot]
+            elif rng.random() < 0.05:  # preempted, re-admitted with its outputs
+                req = live[slot]
+                if req.output and rng.random() < 0.5:
+                    req.output[-1] = -1  # the last token still in flight
+                sampler.remove_request(slot)
+                sampler.add_request(slot, req.params, req.prompt, seed=req.params.seed,
+                                    sample_index=req.sample_index, output_token_ids=req.output,
+                                    bad_words_token_ids=req.bad_words)
+                seen_readmit += 1
+        free = [s for s in range(max_num_seqs) if s not in live]
+        for slot in rng.sample(free, k=min(len(free), rng.randrange(0, 4))):
+            serial += 1
+            req = _random_request(rng, vocab, serial)
+            sampler.add_request(slot, req.params, req.prompt, seed=req.params.seed,
+                                sample_index=req.sample_index, bad_words_token_ids=req.bad_words)
+            seen_reuse += step > 0 and slot < max_num_seqs
+            live[slot] = req
+        scheduled = [s for s in live if rng.random() < 0.85]
+        rng.shuffle(scheduled)
+        if not scheduled:
+            continue
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        g = torch.Generator().manual_seed(step)
+        logits = (torch.randn(len(scheduled), vocab, generator=g) * 2).to(dtype)
+        logits[:, [7, 8, 0, 5]] += 3.0  # bad-word prefix, stop ids and EOS are frequent
+        reqs = [live[s] for s in scheduled]
+        want = sample_logits(
+            logits, [r.params for r in reqs],
+            prompt_token_ids=[r.prompt for r in reqs],
+            output_token_ids=[r.output for r in reqs],
+            sample_indices=[r.sample_index for r in reqs],
+            eos_token_ids=EOS,
+            bad_words_token_ids=[r.bad_words for r in reqs],
+            max_logprobs=20,
+        )
+        out = sampler.sample(logits.clone(), scheduled)
+        host = AsyncOutput(out).get()
+        assert np.array_equal(host.token_ids, out.token_ids.numpy())
+        if host_slots:
+            assert_same_output(out, want)
+        else:
+            _compare_widths(out, want)
+        for r, token in zip(reqs, out.token_ids.tolist()):
+            r.output.append(token)
+    assert serial > 20 and seen_reuse and seen_readmit
+    # the device-side counts equal the history of every slot with penalties
+    for slot, req in live.items():
+        if req.params.needs_penalties:
+            known = [t for t in req.output if t >= 0]
+            assert sampler.state.output_counts[slot].tolist() == np.bincount(
+                known, minlength=vocab).tolist()
+
+
+def test_remove_then_add_before_a_step_uses_only_the_new_request():
+    vocab = 50
+    s = Sampler(2, vocab, device="cpu", eos_token_ids=[0])
+    s.add_request(0, SamplingParams(temperature=0.0, repetition_penalty=3.0), list(range(1, 49)),
+                  seed=0, output_token_ids=[9, 9, 9], bad_words_token_ids=[[49]])
+    s.remove_request(0)
+    s.add_request(0, SamplingParams(temperature=0.0, frequency_penalty=0.1), [2], seed=0)
+    x = torch.arange(vocab, dtype=torch.float32)[None, :]
+    out = s.sample(x.clone(), [0])
+    assert out.token_ids.item() == 49  # no bad word, no repetition penalty from the old request
+    assert s.state.output_counts[0].sum().item() == 1 and s.state.positions[0].item() == 1
+
+
+def test_invalid_calls_name_the_argument():
+    s = Sampler(2, 10, device="cpu", eos_token_ids=[0])
+    p = SamplingParams()
+    with pytest.raises(ValueError, match="slot"):
+        s.add_request(2, p, [1], seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        s.add_request(0, p, [1], seed=-5)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        s.add_request(0, p, [10], seed=0)
+    with pytest.raises(ValueError, match="output_token_ids"):
+        s.add_request(0, p, [1], seed=0, output_token_ids=[-2])
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        s.add_request(0, p, [1], seed=0, bad_words_token_ids=[[]])
+    with pytest.raises(ValueError, match="logprobs"):
+        s.add_request(0, SamplingParams(logprobs=21), [1], seed=0)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        s.add_request(0, SamplingParams(stop_token_ids=[10]), [1], seed=0)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        Sampler(2, 10, device="cpu", eos_token_ids=[10])
+    with pytest.raises(ValueError, match="backend"):
+        Sampler(2, 10, device="cpu", eos_token_ids=[0], backend="cuda-magic")
+    s.add_request(0, p, [1], seed=0)
+    with pytest.raises(ValueError, match="slots"):
+        s.sample(torch.zeros(1, 10), [1])  # slot 1 has no request
+    with pytest.raises(ValueError, match="slots"):
+        s.sample(torch.zeros(2, 10), [0, 0])
+    with pytest.raises(ValueError, match="logits"):
+        s.sample(torch.zeros(1, 11), [0])
+    with pytest.raises(ValueError, match="logits"):
+        s.sample(torch.zeros(1, 10, dtype=torch.int64), [0])
