@@ -90,6 +90,12 @@ class Engine:
 
     def _add(self, request_id: Any, prompt: Any, params: Any) -> None:
         n, seed = self.inputs.describe(request_id, params)
+        try:
+            hash(request_id)
+        except TypeError:
+            self._ready += self.outputs.error_outputs(
+                request_id, n, f"request id {request_id!r:.80} is not hashable", seed=seed)
+            return
         if request_id in self._requests:
             self._ready += self.outputs.error_outputs(
                 request_id, n, f"request id {request_id!r} is already running", seed=seed)

@@ -53,10 +53,12 @@ def test_add_request_never_raises_and_errors_come_from_step(tiny_llama):
     engine.add_request("bad", [], SamplingParams(n=3))
     engine.add_request("dup", [5, 6], GOOD)
     engine.add_request("dup", [5, 6], GOOD)
+    engine.add_request(["unhashable"], [5, 6], GOOD)
     first = engine.step()
     assert [(o.id, o.sample_index, o.finish_reason) for o in first] == [
-        ("bad", 0, "error"), ("bad", 1, "error"), ("bad", 2, "error"), ("dup", 0, "error")]
-    assert "already running" in first[-1].error
+        ("bad", 0, "error"), ("bad", 1, "error"), ("bad", 2, "error"), ("dup", 0, "error"),
+        (["unhashable"], 0, "error")]
+    assert "already running" in first[3].error and "not hashable" in first[4].error
     rest = []
     while engine.has_unfinished_requests():
         rest += engine.step()
