@@ -7,6 +7,7 @@ unwritable output) is found here before Ray starts or any model loads, and raise
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -43,19 +44,28 @@ def engine_options(config: JobConfig) -> dict[str, Any]:
 
 
 def check_model(config: JobConfig) -> None:
-    """The model must be a directory transformers can read a config from, or a hub id."""
+    """The model must be a local directory with a readable ``config.json``, or a hub id whose
+    config transformers can fetch. Only the config is read: no weights are loaded."""
     model = config.model
-    looks_local = model.startswith(("/", "./", "../", "~")) or os.path.exists(model)
     path = os.path.expanduser(model)
-    if looks_local and not os.path.isdir(path):
-        raise ValueError(f"config.model: {model!r} does not exist or is not a directory")
-    if looks_local and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"config.model: {model!r} has no config.json (not a model directory)")
+    if model.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"config.model: {model!r} does not exist or is not a directory")
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config.model: {model!r} has no config.json (not a model "
+                             "directory)") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"config.model: cannot read {model!r}/config.json: {exc}") from None
+        if not isinstance(data, dict) or not (data.get("model_type") or data.get("architectures")):
+            raise ValueError(f"config.model: {model!r}/config.json names no model_type")
+        return
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(path if looks_local else model,
-                                   trust_remote_code=config.trust_remote_code)
+        AutoConfig.from_pretrained(model, trust_remote_code=config.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any failure here means an unusable model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"config.model: cannot load {model!r}: {first}") from None

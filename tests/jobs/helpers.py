@@ -76,3 +76,68 @@ def assert_same_rows(a: pa.Table, b: pa.Table, atol: float = 1e-4) -> None:
         bad = [i for i in range(len(x)) if not _same(x[i], y[i], atol)]
         assert not bad, f"column {name!r} differs in {len(bad)} rows, e.g. {x[bad[0]]!r} vs " \
                         f"{y[bad[0]]!r}"
+
+
+def process_tree(root_pid: int) -> set[int]:
+    """``root_pid`` and all its descendants (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return tree
+
+
+def _hex_address(text: str) -> str:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        addr = ".".join(str(b) for b in raw[::-1])
+    else:  # IPv6: four little-endian 32-bit words
+        words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+        full = b"".join(words)
+        addr = ":".join(full[i:i + 2].hex() for i in range(0, 16, 2))
+        if full[:12] == b"\0" * 10 + b"\xff\xff":
+            addr = "::ffff:" + ".".join(str(b) for b in full[12:])
+        elif full == b"\0" * 16:
+            addr = "::"
+    return f"{addr}:{int(port, 16)}"
+
+
+def listening_addresses(pids: set[int]) -> dict[str, int]:
+    """TCP listening address -> pid, for sockets held by ``pids`` (like ``ss -ltnp``)."""
+    listening: dict[str, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening[fields[9]] = _hex_address(fields[1])
+    out: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listening:
+                out[listening[link[8:-1]]] = pid
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or \
+        host.startswith("::ffff:127.")
