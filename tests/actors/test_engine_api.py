@@ -55,6 +55,25 @@ def test_one_step_in_flight(tiny_llama):
     assert engine.stats.num_steps == 4 and not engine.has_unfinished_requests()
 
 
+def test_token_sampled_after_a_stop_is_dropped(tiny_llama):
+    """A stop is only seen a step late, so the next step already sampled for the request:
+    that token is dropped."""
+    engine = make_engine(tiny_llama)
+    eos = engine.tokenizer.eos_token_id
+    rows = []
+    original = engine.sampler.sample
+
+    def sample(logits, slots):
+        rows.append(len(slots))
+        return original(logits, slots)
+
+    engine.sampler.sample = sample
+    out = engine.generate([("a", [5, 6, 7], SamplingParams(
+        max_tokens=50, min_tokens=2, logit_bias={eos: 100.0}, seed=0))])[0]
+    assert out.output_token_ids[-1] == eos and out.num_output_tokens == 3
+    assert sum(rows) == 4  # one more token was sampled than the output holds
+
+
 def test_add_request_from_other_threads_while_stepping(tiny_llama):
     engine = make_engine(tiny_llama, max_num_seqs=4)
     params = SamplingParams(temperature=0.7, max_tokens=5, seed=2, ignore_eos=True)
