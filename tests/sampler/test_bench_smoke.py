@@ -1,0 +1,29 @@
+"""benchmarks/sampler_bench.py runs end to end on a tiny grid and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sampler_bench_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sampler_bench.py"), "--device", "cpu",
+         "--batch-sizes", "1,3", "--vocab-sizes", "97", "--iters", "2", "--warmup", "1",
+         "--backends", "torch,triton", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )
+    data = json.loads(out.read_text())
+    records = [r for r in data["records"] if r["backend"] == "torch"]
+    assert {(r["workload"], r["batch"]) for r in records} == {
+        (w, b) for w in ("greedy", "greedy_logprobs", "mixed", "full") for b in (1, 3)}
+    assert all(r["median_ms"] > 0 and r["iters"] == 2 and r["vocab"] == 97 for r in records)
+    assert all("skipped" in r for r in data["records"] if r["backend"] == "triton")
+    assert data["meta"]["device"] == "cpu"
+    for workload in ("greedy_logprobs", "full"):
+        assert workload in run.stdout
