@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from actors.config import EngineConfig
 from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
-from actors.sequence import Request, Sequence, SeqStatus
+from actors.sequence import Request, Sequence
 from actors.setup import EngineParts, build_engine_parts
 
 logger = logging.getLogger(__name__)

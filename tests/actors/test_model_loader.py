@@ -24,7 +24,7 @@ def test_reference_architectures_load_on_our_attention(arch, arch_model):
         loaded.model(torch.tensor([[5, 6, 7]]))
 
 
-def _save(tmp_path, config, tokenizer_from):
+def _save(tmp_path, config):
     import transformers
 
     from toolkit.tiny_model import train_tokenizer
@@ -50,7 +50,7 @@ def _save(tmp_path, config, tokenizer_from):
 def test_unsupported_architectures_get_a_clear_error(tmp_path, name, make, message):
     import transformers
 
-    path = _save(tmp_path, make(transformers), None)
+    path = _save(tmp_path, make(transformers))
     with pytest.raises(UnsupportedModelError, match=message):
         Engine(path, {"num_kv_blocks": 16, "max_model_len": 32})
 
@@ -62,7 +62,7 @@ def test_gpt2_runs_and_matches_hf_generate(tmp_path):
 
     cfg = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=2,
                                   n_positions=64)
-    path = _save(tmp_path, cfg, None)
+    path = _save(tmp_path, cfg)
     engine = Engine(path, {"num_kv_blocks": 16, "max_model_len": 64, "block_size": 4})
     assert engine.info()["architecture"].startswith("GPT2LMHeadModel")
     prompt = [5, 17, 33, 2, 99, 7]
