@@ -16,8 +16,18 @@ def test_n_samples_compute_the_prompt_once(tiny_llama, caching, length):
                          max_num_batched_tokens=16)  # the prompt takes several chunks
     prompt = random_prompts([length], engine.loaded.vocab_size, seed=21)[0]
     params = SamplingParams(n=8, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True)
+    runner = engine.executor.runner
+    fed = []
+    original = runner.execute
+
+    def execute(inputs, prev):
+        fed.append(len(inputs.input_ids))
+        return original(inputs, prev)
+
+    runner.execute = execute
     outs = engine.generate([("r", prompt, params)])
     assert engine.stats.num_prompt_tokens_computed == length
+    assert sum(fed) == length + 8 * 11  # the prompt once, then 11 decode inputs per sample
     assert [o.sample_index for o in outs] == list(range(8))
     assert all(o.num_output_tokens == 12 and o.seed == 4 for o in outs)
     # eight independent noise streams from one logits row
