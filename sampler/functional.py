@@ -85,6 +85,8 @@ def sample_logits(
     eos = as_token_array("eos_token_ids", list(eos_token_ids or ()), vocab).tolist()
     if max_logprobs is None:
         max_logprobs = vocab
+    if noise_precision not in ("fp32", "fp64"):
+        raise ValueError(f"noise_precision: must be 'fp32' or 'fp64', got {noise_precision!r}")
     resolve_backend(backend, logits.device)
 
     state = SamplerState(max(rows, 1), vocab, logits.device, list(dict.fromkeys(eos)))

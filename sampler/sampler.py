@@ -66,6 +66,8 @@ class Sampler:
         if noise_precision not in ("fp32", "fp64"):
             raise ValueError(f"noise_precision: must be 'fp32' or 'fp64', got {noise_precision!r}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_logprobs = max_logprobs
         self.noise_precision: NoisePrecision = noise_precision
         eos = as_token_array("eos_token_ids", list(eos_token_ids), vocab_size).tolist()
