@@ -2,7 +2,8 @@
 
 One ordered pass; each step runs only when the host-side :class:`~sampler.plan.StepPlan` says
 a row needs it. Float32 logits are the working buffer when ``inplace`` (the engine's case);
-bf16/fp16 logits get one float32 working copy and stay untouched (they are the raw snapshot).
+bf16/fp16 logits get one float32 working copy (none for an all-greedy batch that no step
+touches) and stay untouched (they are the raw snapshot).
 Values a raw logprobs mode needs are taken from the untouched logits before anything mutates;
 a float32 copy of the raw logits is made only for ``raw_logits`` rows when a step mutates.
 """
@@ -96,8 +97,12 @@ def run_pipeline(
         if mode in plan.modes:
             values[mode] = _raw_values(logits, mode, f[idx, TEMPERATURE], copy=mutates and inplace)
 
+    processed_modes = PROCESSED_LOGPROBS in plan.modes or PROCESSED_LOGITS in plan.modes
     if logits.dtype != torch.float32:
-        x = logits.float()
+        # all-greedy, nothing to mask and no processed values: argmax reads the half input
+        # directly (the upcast is exact, so the result is the float32 argmax)
+        needs_fp32 = mutates or plan.any_random or processed_modes
+        x = logits.float() if needs_fp32 else logits
     elif mutates and not inplace:
         x = logits.clone()
     else:

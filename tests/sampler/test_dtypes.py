@@ -90,3 +90,17 @@ def test_vocab_sliced_logits(dtype):
         s.add_request(7 - r, p, [], seed=p.seed)
     assert_same_output(s.sample(sliced, [7 - r for r in range(rows)]), want)
     assert (full[:, vocab:] == 1e4).all()  # in-place steps stayed inside the slice
+
+
+def test_all_greedy_half_batch_needs_no_float32_copy(monkeypatch):
+    half = random_logits(5, 300, 9, ties=True).to(torch.bfloat16)
+    want = half.float().argmax(-1)
+
+    def no_copy(self, *args, **kwargs):
+        raise AssertionError("float32 copy made")
+
+    monkeypatch.setattr(torch.Tensor, "float", no_copy)
+    out = sample_logits(half, [SamplingParams(temperature=0.0, logprobs=2)] * 5)
+    monkeypatch.undo()
+    assert torch.equal(out.token_ids, want)
+    assert torch.equal(out.logprobs, torch.log_softmax(half.float(), -1).gather(1, want[:, None])[:, 0])
