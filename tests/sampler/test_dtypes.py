@@ -104,3 +104,20 @@ def test_all_greedy_half_batch_needs_no_float32_copy(monkeypatch):
     monkeypatch.undo()
     assert torch.equal(out.token_ids, want)
     assert torch.equal(out.logprobs, torch.log_softmax(half.float(), -1).gather(1, want[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("rows,vocab", [(7, 111), (3, 32000)])
+def test_half_and_float32_give_the_same_kept_sets(rows, vocab):
+    half = random_logits(rows, vocab, 31, ties=True).to(torch.bfloat16)
+    params = [p.replace(logprobs=-1, logprobs_mode="processed_logits")
+              for p in _params(rows, vocab, 31)]
+    outs = [sample_logits(x, params, max_logprobs=vocab) for x in (half, half.float())]
+    processed = []
+    for out in outs:
+        full = torch.empty(rows, vocab)
+        full.scatter_(1, out.topk_ids, out.topk_values)
+        processed.append(full)
+    assert torch.equal(torch.isfinite(processed[0]), torch.isfinite(processed[1]))
+    assert torch.equal(processed[0], processed[1])
+    assert torch.equal(outs[0].token_ids, outs[1].token_ids)
+    assert not torch.isfinite(processed[0]).all()  # the filters did drop tokens
