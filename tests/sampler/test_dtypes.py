@@ -111,6 +111,7 @@ def test_half_and_float32_give_the_same_kept_sets(rows, vocab):
     half = random_logits(rows, vocab, 31, ties=True).to(torch.bfloat16)
     params = [p.replace(logprobs=-1, logprobs_mode="processed_logits")
               for p in _params(rows, vocab, 31)]
+    params[0] = params[0].replace(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05)
     outs = [sample_logits(x, params, max_logprobs=vocab) for x in (half, half.float())]
     processed = []
     for out in outs:
