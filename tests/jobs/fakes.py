@@ -5,9 +5,12 @@ bad requests come back from ``step()`` as error outputs, one output per sample. 
 request makes one token per step, so requests of different lengths finish at different steps
 (continuous batching). Prompts drive fault injection:
 
-- ``"DIE-ONCE:<path>"``: the process exits the first time (``<path>`` remembers it);
-- ``"DIE-ALWAYS"``: the process exits every time;
-- ``"RAISE"``: ``step()`` raises (a broken engine).
+- ``"DIE-ONCE:<path> ..."``: the process exits the first time (``<path>`` remembers it);
+- ``"DIE-ALWAYS ..."``: the process exits every time;
+- ``"RAISE ..."``: ``step()`` raises (a broken engine).
+
+Only the first word is the instruction, so a fault prompt can keep the word count (the fake's
+prompt token count) of the prompt it replaces.
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         self.requests_seen += 1
-        if isinstance(prompt, str) and prompt.startswith("DIE-ONCE:"):
-            marker = prompt.split(":", 1)[1]
+        word = prompt.split()[0] if isinstance(prompt, str) and prompt.strip() else ""
+        if word.startswith("DIE-ONCE:"):
+            marker = word.split(":", 1)[1]
             if not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)
-        if prompt == "DIE-ALWAYS":
+        if word == "DIE-ALWAYS":
             os._exit(1)
         if prompt == "" or prompt == []:
             self.errors.extend(GenerationOutput(id=request_id, sample_index=j, seed=params.seed,
@@ -66,7 +70,7 @@ class FakeEngine:
         return bool(self.active or self.errors)
 
     def step(self) -> list[GenerationOutput]:
-        if any(r["prompt"] == "RAISE" for r in self.active.values()):
+        if any(str(r["prompt"]).startswith("RAISE") for r in self.active.values()):
             raise RuntimeError("fake engine broke")
         finished, self.errors = self.errors, []
         for rid, req in list(self.active.items()):
