@@ -84,3 +84,10 @@ def test_identity_ignores_how_the_job_runs():
     c = JobConfig.from_dict({**BASE, "seed": 1})
     d = JobConfig.from_dict({**BASE, "sampling_params": {"max_tokens": 17}})
     assert len({a.fingerprint(), c.fingerprint(), d.fingerprint()}) == 3
+
+
+def test_example_job_yaml_is_valid():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "job.yaml")
+    assert cfg.num_actors == 2 and cfg.sampling_params["max_tokens"] == 256
