@@ -33,6 +33,7 @@ class _Slot:
     inflight: dict[Any, ShardTask] = field(default_factory=dict)
     exclusive: bool = False  # running a retried shard alone
     deaths: int = 0
+    failed_starts: int = 0  # consecutive starts that died before the actor was ready
 
 
 def _first_line(exc: BaseException) -> str:
@@ -92,9 +93,21 @@ class Dispatcher:
 
         try:
             ray.get(ref)
-        except Exception as exc:  # noqa: BLE001 - the actor's constructor failed
-            raise RuntimeError(f"{slot.name} failed to start: {_first_line(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 - the actor died while starting
+            if getattr(exc, "actor_init_failed", False):  # its constructor raised
+                lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+                raise RuntimeError(f"{slot.name} failed to start: {lines[-1].strip()}") from exc
+            slot.failed_starts += 1
+            if slot.failed_starts >= self._max_attempts:
+                raise RuntimeError(f"{slot.name} failed to start {slot.failed_starts} times, "
+                                   f"last: {_first_line(exc)}") from exc
+            logger.warning("%s died while starting (%s); starting it again", slot.name,
+                           _first_line(exc))
+            self._kill(slot)
+            self._launch(slot)
+            return
         slot.ready = None
+        slot.failed_starts = 0
         logger.info("%s ready", slot.name)
 
     def _kill(self, slot: _Slot) -> None:

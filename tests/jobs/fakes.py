@@ -112,3 +112,10 @@ class FakeActor:
         from actors.shard import process_shard
 
         return process_shard(task, server_for(self, self.engine).run)
+
+
+class BrokenActor(FakeActor):
+    """An actor whose constructor fails (a model that cannot load on the workers)."""
+
+    def __init__(self, model: str, engine_config: Any = None) -> None:
+        raise RuntimeError("cannot load the model on this worker")

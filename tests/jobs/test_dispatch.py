@@ -9,7 +9,7 @@ import pytest
 from jobs.manifest import MANIFEST, SUCCESS
 from jobs.runner import run_job
 from sampler import derive_seed
-from tests.jobs.fakes import FakeActor
+from tests.jobs.fakes import BrokenActor, FakeActor
 from tests.jobs.helpers import part_stats, read_output, write_jsonl, write_parquet
 
 pytestmark = pytest.mark.ray
@@ -140,3 +140,11 @@ def test_unwritable_part_fails_the_job_clearly_and_resumes(ray_local, tiny_llama
     res = run_job(config, actor_cls=FakeActor, progress=False)
     assert res.shards_skipped == len(committed)
     assert read_output(out).num_rows == res.rows == sum(_n(i) for i in range(21))
+
+
+def test_actor_that_cannot_start_fails_the_job(ray_local, tiny_llama, tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", _rows(7))
+    with pytest.raises(RuntimeError, match="actor-0 failed to start: RuntimeError: cannot load "
+                                           "the model on this worker"):
+        run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out"), actor_cls=BrokenActor,
+                progress=False)
