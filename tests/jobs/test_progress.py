@@ -1,0 +1,46 @@
+"""The progress bar on a terminal, log lines elsewhere, the per-actor share, manifest totals."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+from jobs.progress import Progress, totals
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bar_shows_rows_rate_and_eta(monkeypatch):
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = Progress(total_rows=100, done_rows=20)
+    bar.update(30, 600, "actor-0")
+    bar.update(10, 100, "actor-1")
+    bar.close()
+    text = term.getvalue()
+    assert "60/100" in text and "tok/s" in text and "<" in text  # done/total, rate, ETA
+    assert bar.actor_share() == {"actor-0": 0.75, "actor-1": 0.25}
+
+
+def test_logs_every_tenth_without_a_terminal(monkeypatch, caplog):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = Progress(total_rows=100)
+    with caplog.at_level(logging.INFO, logger="jobs.progress"):
+        for _ in range(20):
+            bar.update(5, 10, "actor-0")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 10 and lines[0].startswith("10/100 rows") and "tok/s" in lines[0]
+    assert lines[-1].startswith("100/100 rows")
+
+
+def test_totals_sum_the_manifest_entries():
+    committed = {"0": {"rows": 3, "output_rows": 4, "errors": 1, "output_tokens": 9,
+                       "prompt_tokens": 5},
+                 "1": {"rows": 2, "output_rows": 2, "errors": 0, "output_tokens": 1,
+                       "prompt_tokens": 2}}
+    assert totals(committed) == {"rows": 5, "output_rows": 6, "errors": 1, "output_tokens": 10,
+                                 "prompt_tokens": 7}
