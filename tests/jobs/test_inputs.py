@@ -37,6 +37,16 @@ def test_three_formats_one_schema(tmp_path):
     assert schema.field("lang").type == pa.string() and schema.field("score").type == pa.float64()
 
 
+def test_uri_and_glob_inputs(tmp_path):
+    write_parquet(tmp_path / "d" / "a.parquet", [{"prompt": "x"}] * 2)
+    write_jsonl(tmp_path / "d" / "b.jsonl", [{"prompt": "y"}] * 3)
+    write_parquet(tmp_path / "d" / "skip.parquet.bak", [{"prompt": "z"}])
+    spec = discover(_cfg(tmp_path, input=[f"file://{tmp_path}/d/*.parquet",
+                                          str(tmp_path / "d" / "b.jsonl")]))
+    assert [(f.path.rsplit("/", 1)[1], f.rows) for f in spec.files] == [("a.parquet", 2),
+                                                                         ("b.jsonl", 3)]
+
+
 def test_generated_ids_are_strings(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x"}] * 3)
     spec = discover(_cfg(tmp_path / "a.jsonl"))

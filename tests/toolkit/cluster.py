@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,3 +82,4 @@ def head_cluster(num_cpus: int = 2, timeout: float = 90):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        shutil.rmtree(temp, ignore_errors=True)
