@@ -160,7 +160,7 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any]
             if row_id is None:
                 raise ValueError(f"{task.columns.get('id', 'id')}: id is null")
             raw = table.column(params_column)[i].as_py() if has_params else None
-            params = SamplingParams.coerce(raw, defaults=task.default_params)
+            params = SamplingParams.coerce(_arrow_params(raw), defaults=task.default_params)
             if params.seed is None:  # the job's seed rule for unseeded rows
                 from sampler import derive_seed
 
@@ -171,6 +171,19 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any]
             continue
         requests.append((f"{task.shard_id}.{task.attempt}.{i}", prompt, params))
     return requests, errors
+
+
+def _arrow_params(raw: Any) -> Any:
+    """Undoes what Arrow does to a ``logit_bias`` mapping: a map column reads back as (key,
+    value) pairs, a struct column has a null for every key another row set."""
+    if isinstance(raw, dict) and raw.get("logit_bias") is not None:
+        bias = raw["logit_bias"]
+        if isinstance(bias, list) and all(isinstance(p, tuple) and len(p) == 2 for p in bias):
+            bias = dict(bias)
+        if isinstance(bias, dict):
+            bias = {k: v for k, v in bias.items() if v is not None}
+        raw = {**raw, "logit_bias": bias}
+    return raw
 
 
 def _row_message(task: ShardTask, row_id: Any, index: int, message: str) -> str:

@@ -106,3 +106,24 @@ def test_params_column_as_json_string(tmp_path):
     part = pq.read_table(tmp_path / "out" / task.part_name)
     assert part.column("id").to_pylist() == [1, 1, 1, 2]
     assert "row id 2 (shard 0): sampling_params: not valid JSON" in part.column("error")[3].as_py()
+
+
+def test_logit_bias_from_struct_and_map_columns(tmp_path):
+    struct = pa.array([{"logit_bias": {"5": 1.0, "7": None}, "seed": 1},
+                       {"logit_bias": {"5": None, "7": -2.0}, "seed": 2}])
+    mapped = pa.array([[(5, 1.0)], [(7, -2.0)]], pa.map_(pa.int64(), pa.float64()))
+    mapped = pa.StructArray.from_arrays([mapped, pa.array([1, 2])], ["logit_bias", "seed"])
+    for name, params in (("struct", struct), ("map", mapped)):
+        root = tmp_path / name
+        (root / "in").mkdir(parents=True)
+        pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"], "sampling_params": params}),
+                       root / "in" / "a.parquet")
+        [task] = _tasks(root)
+        seen = []
+
+        def run(requests):
+            seen.extend(p.logit_bias for _, _, p in requests)
+            return EngineServer(FakeEngine()).run(requests)
+
+        process_shard(task, run)
+        assert seen == [{5: 1.0}, {7: -2.0}], name
