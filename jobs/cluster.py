@@ -13,7 +13,8 @@ IN_FLIGHT_PER_ACTOR = 2  # shards per actor at once: the next one queues while o
 
 def connect(address: str | None) -> None:
     """Connects to Ray: an already connected session, else ``address``, else ``RAY_ADDRESS``,
-    else a new local Ray that listens on 127.0.0.1 only (kept for later jobs of the process)."""
+    else a new local Ray that listens on 127.0.0.1 only (kept for later jobs of the process).
+    ``address="local"`` always starts that local Ray."""
     # Read by Ray at import time: a local Ray then binds loopback instead of the host's address.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -22,12 +23,12 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS")
-    if target:
+    if target and target != "local":
         logger.info("connecting to Ray at %s", target)
         ray.init(address=target, logging_level=logging.WARNING)
     else:
         logger.info("starting a local Ray on 127.0.0.1")
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
 
 
 def check_resources(num_actors: int, num_gpus: float) -> None:

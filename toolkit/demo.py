@@ -65,6 +65,7 @@ def demo_config(output: str, model: str, num_actors: int) -> JobConfig:
         num_gpus_per_actor=0,
         rows_per_shard=4,
         seed=0,
+        ray_address="local",
         sampling_params={"max_tokens": 12, "temperature": 1.0},
         engine={"max_num_seqs": 32, "max_model_len": 256},
     )
