@@ -158,7 +158,7 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any]
     for i, row_id in enumerate(ids):
         try:
             if row_id is None:
-                raise ValueError(f"{task.columns.get('id', 'id')}: id is null")
+                raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
             raw = table.column(params_column)[i].as_py() if has_params else None
             params = SamplingParams.coerce(_arrow_params(raw), defaults=task.default_params)
             if params.seed is None:  # the job's seed rule for unseeded rows
@@ -166,7 +166,7 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any]
 
                 params = params.replace(seed=derive_seed(task.seed, row_id))
             prompt = _prompt(task, table, i)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             errors[i] = ErrorOutput(error=_row_message(task, row_id, i, str(exc)))
             continue
         requests.append((f"{task.shard_id}.{task.attempt}.{i}", prompt, params))

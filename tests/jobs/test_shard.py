@@ -127,3 +127,14 @@ def test_logit_bias_from_struct_and_map_columns(tmp_path):
 
         process_shard(task, run)
         assert seen == [{5: 1.0}, {7: -2.0}], name
+
+
+def test_null_id_is_an_error_row_named_by_position(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": "x", "prompt": "p q"},
+                                              {"id": None, "prompt": "p q"}])
+    [task] = _tasks(tmp_path)
+    process_shard(task, EngineServer(FakeEngine()).run)
+    errors = pq.read_table(tmp_path / "out" / task.part_name).column("error").to_pylist()
+    assert errors[0] is None
+    assert errors[1] == (f"row 1 of {tmp_path / 'in' / 'a.jsonl'} (shard 0): id: the 'id' "
+                         "column is null")
