@@ -13,11 +13,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sampler.backends import resolve_backend
+from sampler.backends import pipeline_fn, resolve_backend
 from sampler.ops.gumbel import NoisePrecision
 from sampler.output import SamplerOutput
 from sampler.params import SamplingParams
-from sampler.pipeline import run_pipeline
 from sampler.plan import make_plan
 from sampler.state import SamplerState
 from sampler.validation import as_bad_words, as_seed, as_token_array, check_logits
@@ -87,7 +86,7 @@ def sample_logits(
         max_logprobs = vocab
     if noise_precision not in ("fp32", "fp64"):
         raise ValueError(f"noise_precision: must be 'fp32' or 'fp64', got {noise_precision!r}")
-    resolve_backend(backend, logits.device)
+    run = pipeline_fn(resolve_backend(backend, logits.device))
 
     state = SamplerState(max(rows, 1), vocab, logits.device, list(dict.fromkeys(eos)))
     for row, p in enumerate(params):
@@ -107,5 +106,5 @@ def sample_logits(
     state.flush()
     rows_host = np.arange(rows, dtype=np.int64)
     idx = torch.arange(rows, dtype=torch.int64, device=logits.device)
-    return run_pipeline(logits, idx, state, make_plan(state, rows_host), inplace=False,
+    return run(logits, idx, state, make_plan(state, rows_host), inplace=False,
                         precision=noise_precision)

@@ -7,11 +7,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from sampler.backends import resolve_backend
+from sampler.backends import pipeline_fn, resolve_backend
 from sampler.ops.gumbel import NoisePrecision
 from sampler.output import SamplerOutput
 from sampler.params import SamplingParams
-from sampler.pipeline import run_pipeline
 from sampler.plan import make_plan
 from sampler.state import SamplerState, to_device
 from sampler.validation import (
@@ -73,6 +72,7 @@ class Sampler:
         eos = as_token_array("eos_token_ids", list(eos_token_ids), vocab_size).tolist()
         self.eos_token_ids = list(dict.fromkeys(eos))
         self.backend = resolve_backend(backend, self.device)
+        self._run = pipeline_fn(self.backend)
         self.state = SamplerState(self.max_num_seqs, self.vocab_size, self.device,
                                   self.eos_token_ids)
 
@@ -172,7 +172,7 @@ class Sampler:
         idx, rows_host = self._index(slots, logits.shape[0])
         self.state.flush()
         plan = make_plan(self.state, rows_host)
-        out = run_pipeline(logits, idx, self.state, plan, inplace=True,
+        out = self._run(logits, idx, self.state, plan, inplace=True,
                            precision=self.noise_precision)
         self.state.record_sampled(idx, out.token_ids, rows_host)
         return out

@@ -48,6 +48,16 @@ def _grow(array: np.ndarray, shape: tuple[int, ...], fill: float) -> np.ndarray:
     return out
 
 
+def _token_bits(staged: _Staged, num_words: int) -> np.ndarray:
+    """The penalty bits of a staged slot: one bit per prompt or known output token."""
+    bits = np.zeros(num_words, dtype=np.uint32)
+    if staged.penalties:
+        tokens = np.concatenate([staged.prompt, staged.output[staged.output >= 0]])
+        tokens = tokens.astype(np.int64)
+        np.bitwise_or.at(bits, tokens >> 5, (np.uint32(1) << (tokens & 31).astype(np.uint32)))
+    return bits.view(np.int32)
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A device copy of a host array that never blocks the host on the device (pinned
     staging buffer + non-blocking copy on CUDA; a private copy on CPU)."""
@@ -95,6 +105,8 @@ class SamplerState:
         self.word_tokens = self.word_lens = None
         # device-updated tables, allocated on first need
         self.output_counts: torch.Tensor | None = None  # [S, V] int32
+        # one bit per token: in the slot's prompt or output (kernels read the tables there)
+        self.penalty_bits: torch.Tensor | None = None  # [S, ceil(V / 32)] int32
         self.prompt_mask: torch.Tensor | None = None  # [S, V] bool
         self.allowed_mask: torch.Tensor | None = None  # [S, V] bool
         self.recent_tokens: torch.Tensor | None = None  # [S, window] int64
@@ -231,6 +243,8 @@ class SamplerState:
         if self.output_counts is None and any(st.penalties for st in staged.values()):
             self.output_counts = torch.zeros((s, v), dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros((s, v), dtype=torch.bool, device=self.device)
+            self.penalty_bits = torch.zeros((s, (v + 31) // 32), dtype=torch.int32,
+                                            device=self.device)
         if self.output_counts is not None:
             self.output_counts.index_fill_(0, slots_d, 0)
             self.prompt_mask.index_fill_(0, slots_d, False)
@@ -249,6 +263,9 @@ class SamplerState:
                 rows, cols = (to_device(np.concatenate(a).astype(np.int64), self.device)
                               for a in (pr_rows, pr_cols))
                 self.prompt_mask[rows, cols] = True
+            self.penalty_bits.index_copy_(0, slots_d, to_device(
+                np.stack([_token_bits(st, self.penalty_bits.shape[1]) for st in staged.values()]),
+                self.device))
 
         with_allowed = {k: st.allowed for k, st in staged.items() if st.allowed is not None}
         if with_allowed:
@@ -291,6 +308,10 @@ class SamplerState:
         if self.output_counts is not None:
             ones = torch.ones(token_ids.shape, dtype=torch.int32, device=token_ids.device)
             self.output_counts.index_put_((idx_mapping, token_ids), ones, accumulate=True)
+            words = token_ids >> 5  # slots are distinct, so (slot, word) pairs are too
+            bit = (torch.ones_like(token_ids) << (token_ids & 31)).to(torch.int32)
+            self.penalty_bits.index_put_(
+                (idx_mapping, words), self.penalty_bits[idx_mapping, words] | bit)
         if self.recent_tokens is not None:
             shifted = torch.cat([self.recent_tokens[idx_mapping, 1:], token_ids[:, None]], dim=1)
             self.recent_tokens.index_copy_(0, idx_mapping, shifted)

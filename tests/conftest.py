@@ -7,6 +7,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run under the interpreter (set before triton is imported).
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 

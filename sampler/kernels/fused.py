@@ -1,0 +1,397 @@
+"""The fused sampling kernel: steps 2–12 and the raw-family logprobs of a batch, one program
+per row, without a ``[rows, vocab]`` float32 tensor.
+
+Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes mostly hit L2):
+
+1. statistics: processed values (steps 2–6), greedy argmax (ties to the lowest id), the
+   maximum after temperature, raw max / log-sum-exp (raw_logprobs), log-sum-exp of raw / T
+   (temperature_logprobs);
+2. selection (only rows with top-k / top-p, and rows asking for top-k logprobs): histogram
+   passes narrowing the boundary bin, then a gather pass into a scratch list of at most
+   ``CAP`` candidates, sorted exactly; top-k takes the k-th value, top-p the tie-extended
+   prefix whose strictly-greater mass is ``< p`` of the mass kept by top-k (SAMPLER_SPEC §2);
+3. the draw: Gumbel-max over the kept candidates when they were all gathered, else one pass
+   over the row skipping tiles with nothing kept; greedy rows already have their token;
+4. logprobs: the sampled token's value in its mode, its rank (from the candidate list or a
+   counting pass), the top-k list from the raw candidates.
+
+Processed logprobs modes and whole-vocab (-1) logprobs are not computed here (the launcher
+uses the torch path for such batches).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sampler.kernels.noise import _gumbel, _row_key, LANE0, LANE1
+from sampler.kernels.process import _processed
+from sampler.kernels.select import (
+    _bin_of, _choose_bin, _gather, _key_id, _key_value, _order_key, _sorted_cands,
+)
+
+
+@triton.jit
+def _tile(
+    base, start, row, slot, V, W, T,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    BLOCK: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """One tile: (offsets, in-vocab mask, raw fp32, processed fp32 before temperature)."""
+    offs = start + tl.arange(0, BLOCK)
+    vmask = offs < V
+    raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    x = _processed(
+        raw, offs, vmask, row, slot, V, W,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+    )
+    x = tl.where(vmask, x, float("-inf"))
+    return offs, vmask, raw, x
+
+
+@triton.jit
+def _mode_value(raw, mode, T, lse_r, lse_t):
+    """Values of the raw-family logprobs modes: 0 raw_logprobs, 1 raw_logits, 4 temperature."""
+    return tl.where(mode == 0, raw - lse_r,
+                    tl.where(mode == 4, tl.math.div_rn(raw, T) - lse_t, raw))
+
+
+@triton.jit
+def _fused_sampler_kernel(
+    logits_ptr, stride_row, V, W,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
+    pbits_ptr, pmask_ptr, counts_ptr,
+    bias_ids_ptr, bias_vals_ptr, NBIAS,
+    stop_ids_ptr, NSTOP,
+    ban_ptr, NBAN,
+    allowed_ptr,
+    cand_ptr,
+    tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
+    ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+    MAX_PASSES: tl.constexpr, W0: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(idx_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    top_p = tl.load(fparams_ptr + slot * stride_f + 1)
+    log_min_p = tl.load(fparams_ptr + slot * stride_f + 2)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    seed = tl.load(iparams_ptr + slot * stride_i + 0)
+    sidx = tl.load(iparams_ptr + slot * stride_i + 1)
+    top_k = tl.load(iparams_ptr + slot * stride_i + 2)
+    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    nlp = tl.load(iparams_ptr + slot * stride_i + 4)
+    mode = tl.load(iparams_ptr + slot * stride_i + 5)
+    greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    pos = tl.load(positions_ptr + slot)
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    min_tok_active = pos < min_tokens
+    raw_family = (mode == 0) | (mode == 1) | (mode == 4)
+    lp_on = (nlp != -2) & raw_family & (nlp >= 0)
+    NEG = float("-inf")
+
+    # ---------------------------------------------------------------- pass 1: row statistics
+    m_s = NEG
+    best_v = NEG
+    best_i = 0
+    m_r = NEG
+    l_r = 0.0
+    m_t = NEG
+    l_t = 0.0
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
+            row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+            ban_ptr, NBAN, allowed_ptr, row_allowed,
+            BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        if greedy | (not ANY_RANDOM):
+            tv = tl.max(x, 0)
+            if tv > best_v:
+                best_v = tv
+                best_i = start + tl.argmax(x, 0)
+        else:
+            s = tl.math.div_rn(x, T)
+            m_s = tl.maximum(m_s, tl.max(s, 0))
+        if ANY_LP:
+            if lp_on:
+                tm = tl.max(raw, 0)
+                nm = tl.maximum(m_r, tm)
+                if nm > NEG:
+                    l_r = l_r * tl.exp(m_r - nm) + tl.sum(tl.exp(raw - nm), 0)
+                m_r = nm
+                if mode == 4:
+                    rt = tl.math.div_rn(raw, T)
+                    tmt = tl.max(rt, 0)
+                    nmt = tl.maximum(m_t, tmt)
+                    if nmt > NEG:
+                        l_t = l_t * tl.exp(m_t - nmt) + tl.sum(tl.exp(rt - nmt), 0)
+                    m_t = nmt
+    lse_r = m_r + tl.log(l_r)
+    lse_t = m_t + tl.log(l_t)
+
+    # ---------------------------------------------------------------- selection state machines
+    thr = m_s + log_min_p
+    v_k = NEG
+    v_p = NEG
+    from_cands = False
+    p_n = 0
+    r_n = 0
+    r_hi = float("inf")
+    sel_on = False
+    rk_on = False
+    cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
+    cand_r = cand_p + CAP
+    if ANY_SEL | ANY_RK:
+        k_on = (top_k > 0) & (top_k < V)
+        p_on = top_p < 1.0
+        sel_on = (not greedy) & (k_on | p_on)
+        # P phases: 0 top-k refine, 1 top-k gather, 2 top-p refine, 3 top-p gather, 4 done
+        p_phase = tl.where(sel_on, tl.where(k_on, 0, 2), 4)
+        p_lo = 0.0
+        p_hi = float("inf")
+        p_w = W0
+        p_nlo = 0
+        p_mlo = 0.0
+        p_fresh = True
+        p_all = False
+        p_Z = 0.0
+        p_floor = thr
+        rk_on = lp_on & (nlp > 0)
+        r_phase = tl.where(rk_on, 0, 2)
+        r_lo = 0.0
+        r_w = W0
+        r_nlo = 0
+        jj = tl.arange(0, NP)
+        passes = 0
+        while ((p_phase < 4) | (r_phase < 2)) & (passes < MAX_PASSES):
+            passes += 1
+            p_mass = (p_phase == 2)
+            cnt_p = tl.zeros([NP], dtype=tl.int32)
+            mss_p = tl.zeros([NP], dtype=tl.float32)
+            cnt_r = tl.zeros([NP], dtype=tl.int32)
+            gp = 0
+            gr = 0
+            for start in range(0, V, BLOCK):
+                offs, vmask, raw, x = _tile(
+                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
+                    pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+                    min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+                    BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                if p_phase < 4:
+                    s = tl.math.div_rn(x, T)
+                    valid = (s >= p_floor) & (s > NEG)
+                    d = m_s - s
+                    if (p_phase == 0) | (p_phase == 2):
+                        b = tl.where(valid, _bin_of(d, p_lo, p_w, p_hi, NP), NP - 1)
+                        cnt_p += tl.histogram(b, NP)
+                        if ANY_MASS & p_mass:
+                            e = tl.exp(s - m_s)
+                            for jb in tl.static_range(NP - 1):
+                                part = tl.sum(tl.where(b == jb, e, 0.0), 0)
+                                mss_p += tl.where(jj == jb, part, 0.0)
+                    else:
+                        sel = valid & (d < p_hi) & (p_all | (d >= p_lo))
+                        gp = _gather(cand_p, gp, sel, _order_key(s, offs), CAP, BLOCK)
+                if ANY_LP:
+                    if r_phase < 2:
+                        valid_r = raw > NEG
+                        d_r = m_r - raw
+                        if r_phase == 0:
+                            br = tl.where(valid_r, _bin_of(d_r, r_lo, r_w, r_hi, NP), NP - 1)
+                            cnt_r += tl.histogram(br, NP)
+                        else:
+                            sel_r = valid_r & (d_r < r_hi)
+                            mv = _mode_value(raw, mode, T, lse_r, lse_t)
+                            gr = _gather(cand_r, gr, sel_r, _order_key(mv, offs), CAP, BLOCK)
+            # ---- P update
+            if (p_phase == 0) | (p_phase == 2):
+                if p_mass & p_fresh:
+                    p_Z = tl.sum(tl.where(jj < NP - 1, mss_p, 0.0), 0)
+                j, nb4, mb4, nb, reached = _choose_bin(
+                    cnt_p, mss_p, p_nlo, p_mlo, top_k, top_p * p_Z, p_mass, NP)
+                if not reached:
+                    # fewer survivors than k: top-k keeps everything
+                    if p_on:
+                        p_phase = 2
+                        p_lo = 0.0
+                        p_hi = float("inf")
+                        p_w = W0
+                        p_nlo = 0
+                        p_mlo = 0.0
+                        p_fresh = True
+                    else:
+                        p_phase = 4
+                else:
+                    e_lo = p_lo + j.to(tl.float32) * p_w
+                    e_hi = tl.where(j == NP - 2, p_hi, p_lo + (j + 1).to(tl.float32) * p_w)
+                    p_lo = e_lo
+                    p_hi = e_hi
+                    p_nlo = nb4
+                    p_mlo = mb4
+                    p_fresh = False
+                    if nb4 + nb <= CAP:
+                        p_all = True
+                        p_phase += 1
+                    elif (nb <= CAP) | (passes >= MAX_PASSES - 2):
+                        p_all = False
+                        p_phase += 1
+                    else:
+                        if p_hi == float("inf"):
+                            p_w = p_w * (NP - 1)
+                        else:
+                            p_w = (p_hi - p_lo) / (NP - 1)
+            elif (p_phase == 1) | (p_phase == 3):
+                p_n = tl.minimum(gp, CAP)
+                keys = _sorted_cands(cand_p, p_n, CAP)
+                tl.store(cand_p + tl.arange(0, CAP), keys)
+                vals = _key_value(keys)
+                ii = tl.arange(0, CAP)
+                inlist = ii < p_n
+                if p_phase == 1:
+                    r = tl.where(p_all, top_k - 1, top_k - p_nlo - 1).to(tl.int32)
+                    v_k = tl.sum(tl.where(ii == r, vals, 0.0), 0)
+                    from_cands = p_all
+                    if p_on:
+                        if p_all:
+                            keep = inlist & (vals >= v_k)
+                            e = tl.where(keep, tl.exp(vals - m_s), 0.0)
+                            c = tl.cumsum(e, 0)
+                            nk = tl.sum(keep.to(tl.int32), 0)
+                            total = tl.sum(e, 0)
+                            limit = top_p * total
+                            cnt = (limit > 0).to(tl.int32) + tl.sum(
+                                ((ii < nk - 1) & (c < limit)).to(tl.int32), 0)
+                            v_p = tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)
+                            p_phase = 4
+                        else:
+                            p_phase = 2
+                            p_floor = tl.maximum(thr, v_k)
+                            p_lo = 0.0
+                            p_hi = float("inf")
+                            p_w = W0
+                            p_nlo = 0
+                            p_mlo = 0.0
+                            p_fresh = True
+                    else:
+                        p_phase = 4
+                else:
+                    e = tl.where(inlist, tl.exp(vals - m_s), 0.0)
+                    c = tl.where(p_all, 0.0, p_mlo) + tl.cumsum(e, 0)  # mass through candidate i
+                    excl = c - e
+                    limit = top_p * p_Z
+                    ok = inlist & (excl < limit)
+                    ok = ok | (inlist & (ii == 0) & (p_all | (p_nlo == 0)))
+                    last = tl.max(tl.where(ok, ii, -1), 0)
+                    v_p = tl.sum(tl.where(ii == last, vals, 0.0), 0)
+                    from_cands = p_all
+                    p_phase = 4
+            if ANY_LP:
+                if r_phase == 0:
+                    j, nb4, mb4, nb, reached = _choose_bin(
+                        cnt_r, cnt_r.to(tl.float32), r_nlo, 0.0, nlp, 0.0, False, NP)
+                    e_lo = r_lo + j.to(tl.float32) * r_w
+                    e_hi = tl.where(j == NP - 2, r_hi, r_lo + (j + 1).to(tl.float32) * r_w)
+                    if (not reached) | (nb4 + nb <= CAP) | (passes >= MAX_PASSES - 2):
+                        r_hi = tl.where(reached, e_hi, float("inf"))
+                        r_phase = 1
+                    else:
+                        r_lo = e_lo
+                        r_hi = e_hi
+                        r_nlo = nb4
+                        if r_hi == float("inf"):
+                            r_w = r_w * (NP - 1)
+                        else:
+                            r_w = (r_hi - r_lo) / (NP - 1)
+                elif r_phase == 1:
+                    r_n = tl.minimum(gr, CAP)
+                    keys = _sorted_cands(cand_r, r_n, CAP)
+                    tl.store(cand_r + tl.arange(0, CAP), keys)
+                    r_phase = 2
+
+
+    # ---------------------------------------------------------------- sampling
+    tok = best_i
+    v_star = NEG
+    if ANY_RANDOM:
+      if not greedy:
+        v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
+        k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+        k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+        if sel_on & from_cands:
+            ii = tl.arange(0, CAP)
+            keys = tl.load(cand_p + ii)
+            vals = _key_value(keys)
+            ids = _key_id(keys)
+            kept = (ii < p_n) & (vals >= v_star)
+            score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
+            best = tl.max(score, 0)
+            tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
+            tok = tl.where(best > NEG, tok, 0)
+        else:
+            best = NEG
+            tok = 0
+            for start in range(0, V, BLOCK):
+                offs, vmask, raw, x = _tile(
+                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                    freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+                    NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+                    BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                s = tl.math.div_rn(x, T)
+                kept = (s >= v_star) & (s > NEG)
+                if tl.max(kept.to(tl.int32), 0) > 0:
+                    score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
+                    tb = tl.max(score, 0)
+                    if tb > best:
+                        best = tb
+                        tok = start + tl.argmax(score, 0)
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(thr_ptr + row, v_star)
+
+    # ---------------------------------------------------------------- logprobs (raw family)
+    if ANY_LP:
+        v_tok = float("nan")
+        rank = 0
+        if lp_on:
+            raw_tok = tl.load(base + tok).to(tl.float32)
+            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            rank = 1
+            if raw_tok < m_r:
+                if rk_on & ((m_r - raw_tok) < r_hi):
+                    ii = tl.arange(0, CAP)
+                    keys = tl.load(cand_r + ii)
+                    vals = _key_value(keys)
+                    rank = 1 + tl.sum(((ii < r_n) & (vals > v_tok)).to(tl.int32), 0)
+                else:
+                    cntg = 0
+                    for start in range(0, V, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        raw = tl.load(base + offs, mask=offs < V, other=NEG).to(tl.float32)
+                        mv = _mode_value(raw, mode, T, lse_r, lse_t)
+                        cntg += tl.sum((mv > v_tok).to(tl.int32), 0)
+                    rank = 1 + cntg
+        tl.store(lp_ptr + row, v_tok)
+        tl.store(rank_ptr + row, rank.to(tl.int64))
+        ii = tl.arange(0, CAP)
+        ids_out = tl.full([CAP], -1, tl.int64)
+        vals_out = tl.full([CAP], NEG, tl.float32)
+        if rk_on:
+            keys = tl.load(cand_r + ii)
+            have = (ii < r_n) & (ii < nlp)
+            ids_out = tl.where(have, _key_id(keys).to(tl.int64), -1)
+            vals_out = tl.where(have, _key_value(keys), NEG)
+        tl.store(topk_id_ptr + row * KOUT + ii, ids_out, mask=ii < KOUT)
+        tl.store(topk_val_ptr + row * KOUT + ii, vals_out, mask=ii < KOUT)

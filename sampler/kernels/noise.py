@@ -1,0 +1,105 @@
+"""Counter-based Gumbel noise in Triton: the bits and the float math of
+:mod:`sampler.ops.gumbel` (see its docstring for the hash), 32-bit noise.
+
+``-log1p(-y)`` is computed as ``-log(u) * y / (1 - u)`` with ``u = 1 - y`` (exact to a few ulp
+and identical under the interpreter and on the GPU), so the noise can differ from torch's
+``log1p`` in the last bits; the hash bits are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LANE0: tl.constexpr = tl.constexpr(0x243F6A88)
+LANE1: tl.constexpr = tl.constexpr(0x85A308D3)
+
+
+@triton.jit
+def _r1(x):
+    return (x ^ (x >> 16)) * 0x21F0AAAD
+
+
+@triton.jit
+def _r2(x):
+    y = (x ^ (x >> 15)) * 0x735A2D97
+    return y ^ (y >> 15)
+
+
+@triton.jit
+def _mix(x):
+    return _r2(_r1(x))
+
+
+@triton.jit
+def _row_key(seed, sidx, pos, lane_const):
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    si = (sidx & 0xFFFFFFFF).to(tl.uint32)
+    p = (pos & 0xFFFFFFFF).to(tl.uint32)
+    a = _mix(lo ^ lane_const)
+    a = _mix(a ^ hi)
+    a = _mix(a ^ si)
+    return _mix(a ^ p)
+
+
+@triton.jit
+def _neg_log1p_neg(y):
+    """-log1p(-y) for y in (0, 1/2], accurate near 0 (u = 1 - y, log(u) * y / (1 - u))."""
+    u = 1.0 - y
+    return tl.where(u == 1.0, y, -tl.log(u) * (y / (1.0 - u)))
+
+
+@triton.jit
+def _gumbel(ids, k0, k1):
+    """Gumbel noise of token ids (int32 tensor) for one row's keys (uint32 scalars)."""
+    b = _r2(_r1(ids.to(tl.uint32) + k0) ^ k1)
+    b64 = b.to(tl.int64)
+    low = b64 < 2147483648
+    u = (2 * b64 + 1).to(tl.float32) * 1.1641532182693481e-10
+    omu = (2 * (4294967295 - b64) + 1).to(tl.float32) * 1.1641532182693481e-10
+    e = tl.where(low, -tl.log(u), _neg_log1p_neg(omu))
+    return -tl.log(e)
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, pos_ptr, sidx_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    sidx = tl.load(sidx_ptr + row)
+    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row.to(tl.int64) * V + offs, _gumbel(offs, k0, k1), mask=offs < V)
+
+
+def compute_gumbel_noise(
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    sample_indices: torch.Tensor,
+    vocab_size: int,
+    precision: str = "fp32",
+) -> torch.Tensor:
+    """Triton twin of :func:`sampler.ops.gumbel.compute_gumbel_noise` (fp32 noise only).
+
+    Args:
+        seeds, positions, sample_indices: ``[rows]`` int64.
+        vocab_size: tokens per row.
+        precision: must be "fp32".
+
+    Returns:
+        ``[rows, vocab_size]`` float32 Gumbel noise.
+    """
+    if precision != "fp32":
+        raise ValueError(f"precision: the Triton noise is fp32 only, got {precision!r}")
+    rows = seeds.shape[0]
+    out = torch.empty(rows, vocab_size, dtype=torch.float32, device=seeds.device)
+    if rows:
+        _noise_kernel[(rows,)](seeds.to(torch.int64).contiguous(),
+                               positions.to(torch.int64).contiguous(),
+                               sample_indices.to(torch.int64).contiguous(), out, vocab_size,
+                               BLOCK=min(4096, triton.next_power_of_2(vocab_size)))
+    return out

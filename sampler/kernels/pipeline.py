@@ -1,0 +1,201 @@
+"""The Triton backend of the sampling pipeline: builds the kernel's tables and launches it.
+
+Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for something the
+fused kernel does not compute (processed logprobs modes, whole-vocab logprobs, more top-k
+logprobs than its candidate list, fp64 noise) run on the torch path instead; the choice is
+made on the host from the step plan, without a device sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from sampler.kernels.fused import _fused_sampler_kernel
+from sampler.ops.bad_words import PAD_ANY
+from sampler.output import SamplerOutput
+from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
+from sampler.plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+MAX_CAP = 1024  # longest candidate list (top-k / top-p boundary, top-k logprobs)
+NUM_BINS = 16
+MAX_PASSES = 10
+FIRST_BIN_WIDTH = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Tile size and warps of the fused kernel (per vocab size; tunable by the benchmark)."""
+
+    block: int = 4096
+    num_warps: int = 16
+    num_stages: int = 1
+    cap: int = MAX_CAP
+
+
+_config_override: LaunchConfig | None = None
+
+
+def set_launch_config(config: LaunchConfig | None) -> None:
+    """Forces a launch config (benchmarks sweep it); None restores the default choice."""
+    global _config_override
+    _config_override = config
+
+
+def launch_config(vocab: int) -> LaunchConfig:
+    if _config_override is not None:
+        return _config_override
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every op in Python
+        return LaunchConfig(block=min(4096, triton.next_power_of_2(vocab)), num_warps=4,
+                            cap=64)
+    return LaunchConfig()
+
+
+@dataclass(slots=True)
+class KernelTables:
+    """Device tables of one step, with 1-element dummies for steps that do not run."""
+
+    W: int
+    pbits: torch.Tensor
+    pmask: torch.Tensor
+    counts: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_vals: torch.Tensor
+    nbias: int
+    stop_ids: torch.Tensor
+    nstop: int
+    bans: torch.Tensor
+    nban: int
+    allowed: torch.Tensor
+
+
+def compute_bad_word_bans(idx_mapping: torch.Tensor, state) -> torch.Tensor:
+    """``[rows, max_words]`` int64: the last token of each bad word whose prefix matches the
+    row's recent output tokens, else -1 (same rule as :func:`sampler.ops.apply_bad_words`)."""
+    words = state.word_tokens[idx_mapping]  # [rows, W, L]
+    lens = state.word_lens[idx_mapping]
+    max_len = words.shape[-1]
+    last = words[..., -1]
+    if max_len > 1:
+        recent = state.recent_tokens
+        window = recent[idx_mapping][:, None, recent.shape[1] - (max_len - 1):]
+        prefix = words[..., :-1]
+        matched = ((prefix == window) | (prefix == PAD_ANY)).all(dim=-1)
+    else:
+        matched = torch.ones_like(last, dtype=torch.bool)
+    matched &= lens > 0
+    return torch.where(matched, last, -1).contiguous()
+
+
+def kernel_tables(state, plan: StepPlan, idx_mapping: torch.Tensor,
+                  bans: torch.Tensor | None = None) -> KernelTables:
+    """Collects the state's tables for a launch (no copies of the large tables)."""
+    dev = idx_mapping.device
+    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    if plan.do_penalties:
+        pbits, counts = state.penalty_bits, state.output_counts
+        pmask = state.prompt_mask.view(torch.uint8)
+    else:
+        pbits = torch.zeros(1, dtype=torch.int32, device=dev)
+        counts = pbits
+        pmask = torch.zeros(1, dtype=torch.uint8, device=dev)
+    if plan.do_bad_words and bans is None:
+        bans = compute_bad_word_bans(idx_mapping, state)
+    if not plan.do_bad_words:
+        bans = i64
+    allowed = state.allowed_mask.view(torch.uint8) if plan.do_allowed else pmask
+    return KernelTables(
+        W=(state.vocab_size + 31) // 32, pbits=pbits, pmask=pmask, counts=counts,
+        bias_ids=state.bias_ids, bias_vals=state.bias_values, nbias=state.bias_ids.shape[1],
+        stop_ids=state.stop_ids, nstop=state.stop_ids.shape[1],
+        bans=bans, nban=bans.shape[1] if plan.do_bad_words else 0, allowed=allowed,
+    )
+
+
+def supports(plan: StepPlan, precision: str) -> bool:
+    """Whether the fused kernel computes everything this step asks for."""
+    return (
+        precision == "fp32"
+        and PROCESSED_LOGPROBS not in plan.modes
+        and PROCESSED_LOGITS not in plan.modes
+        and plan.max_num_logprobs <= min(MAX_CAP, launch_config(1).cap)
+    )
+
+
+_fallback_logged = False
+
+
+def run_pipeline_triton(
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    state,
+    plan: StepPlan,
+    *,
+    inplace: bool,
+    precision: str = "fp32",
+    thresholds: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """Samples one token per row with the fused Triton kernel.
+
+    Args:
+        logits: ``[rows, vocab]`` float32/bf16/fp16; the vocab dimension must have stride 1
+            (a vocab slice of a padded tensor is fine). Never modified.
+        idx_mapping: ``[rows]`` int64 on the logits' device, the slot of each row.
+        state: the flushed :class:`~sampler.state.SamplerState`.
+        plan: the host-side predicates of this batch.
+        inplace: accepted for the torch path's contract (the kernel never writes logits).
+        precision: Gumbel noise precision; "fp64" runs the torch path.
+        thresholds: optional ``[rows]`` float32 output: each random row's kept-set threshold
+            (keep t iff processed logit / T >= threshold), for tests.
+
+    Returns:
+        :class:`~sampler.output.SamplerOutput` on the device.
+    """
+    global _fallback_logged
+    if not supports(plan, precision):
+        if not _fallback_logged:
+            _fallback_logged = True
+            logger.info("sampler: a step needs processed/whole-vocab logprobs or fp64 noise; "
+                        "such steps run on the torch path")
+        return run_pipeline(logits, idx_mapping, state, plan, inplace=inplace,
+                            precision=precision)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    dev = logits.device
+    k = plan.max_num_logprobs
+    kout = max(k, 1)
+    tok = torch.empty(rows, dtype=torch.int64, device=dev)
+    lp = torch.empty(rows, dtype=torch.float32, device=dev)
+    rank = torch.empty(rows, dtype=torch.int64, device=dev)
+    topk_ids = torch.empty(rows, kout, dtype=torch.int64, device=dev)
+    topk_vals = torch.empty(rows, kout, dtype=torch.float32, device=dev)
+    cfg = launch_config(vocab)
+    cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
+    thr = thresholds if thresholds is not None else torch.empty(rows, dtype=torch.float32,
+                                                                 device=dev)
+    if rows == 0:
+        return SamplerOutput(token_ids=tok)
+    t = kernel_tables(state, plan, idx_mapping)
+    _fused_sampler_kernel[(rows,)](
+        logits, logits.stride(0), vocab, t.W,
+        idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
+        state.iparams.stride(0), state.positions,
+        t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
+        t.bans, t.nban, t.allowed, cand, tok, lp, rank, topk_ids, topk_vals, kout, thr,
+        HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
+        HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
+        ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random,
+        ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
+        NUM_STAGES=cfg.num_stages, BLOCK=cfg.block, NP=NUM_BINS, CAP=cfg.cap,
+        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, num_warps=cfg.num_warps,
+    )
+    if not plan.any_logprobs:
+        return SamplerOutput(token_ids=tok)
+    return SamplerOutput(tok, lp, rank, topk_ids if k else None, topk_vals if k else None)

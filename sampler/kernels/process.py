@@ -1,0 +1,121 @@
+"""Pipeline steps 2–6 in Triton: allowed ids, bad words, min_tokens, logit bias, penalties.
+
+Tile function :func:`_processed` turns a tile of raw float32 logits into processed values.
+The small per-row lists (banned ids, stop ids, bias entries) are applied by comparing the tile
+offsets against each entry. Penalties read the dense per-slot tables (prompt mask, output
+counts) only where the slot's *penalty bits* (one bit per token: in the prompt or already
+generated) are set, so a pass over a row costs one read of the logits plus 1/16 of it for the
+bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _processed(
+    raw, offs, vmask, row, slot, V, W,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS,
+    stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN,
+    allowed_ptr, row_allowed,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """Pipeline steps 2-6 on one tile of raw fp32 logits."""
+    x = raw
+    if HAS_ALLOWED:
+        if row_allowed:
+            a = tl.load(allowed_ptr + slot * V + offs, mask=vmask, other=0)
+            x = tl.where(a != 0, x, float("-inf"))
+    if HAS_BAN:
+        for j in range(NBAN):
+            b = tl.load(ban_ptr + row * NBAN + j)
+            x = tl.where(offs == b, float("-inf"), x)
+    if HAS_STOP:
+        if min_tok_active:
+            for j in range(NSTOP):
+                sid = tl.load(stop_ids_ptr + slot * NSTOP + j)
+                x = tl.where(offs == sid, float("-inf"), x)
+    if HAS_BIAS:
+        for j in range(NBIAS):
+            bid = tl.load(bias_ids_ptr + slot * NBIAS + j)
+            bv = tl.load(bias_vals_ptr + slot * NBIAS + j)
+            x = tl.where(offs == bid, x + bv, x)
+    if HAS_PEN:
+        if row_pen:
+            words = tl.load(pbits_ptr + slot * W + offs // 32, mask=vmask, other=0)
+            touched = ((words >> (offs % 32)) & 1) != 0
+            if tl.max(touched.to(tl.int32), axis=0) > 0:
+                inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
+                cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
+                seen_out = cnt > 0
+                pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+                x = tl.where(inp | seen_out, pen, x)
+                x = x - freq * cnt.to(tl.float32)
+                x = x - pres * seen_out.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _processing_kernel(
+    x_ptr, stride_row, V, W, idx_ptr,
+    pbits_ptr, pmask_ptr, counts_ptr, fparams_ptr, stride_f,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, iparams_ptr, stride_i, pos_ptr,
+    ban_ptr, NBAN, allowed_ptr,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(idx_ptr + row)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    min_tok_active = tl.load(pos_ptr + slot) < min_tokens
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    base = x_ptr + row.to(tl.int64) * stride_row
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        vmask = offs < V
+        x = tl.load(base + offs, mask=vmask, other=0.0)
+        x = _processed(x, offs, vmask, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
+                       rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS,
+                       stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr,
+                       row_allowed, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        tl.store(base + offs, x, mask=vmask)
+
+
+def apply_processing(logits: torch.Tensor, idx_mapping: torch.Tensor, state, plan,
+                     bans: torch.Tensor | None = None) -> None:
+    """Applies steps 2–6 to float32 ``logits`` in place, like the torch ops in pipeline order.
+
+    Args:
+        logits: ``[rows, vocab]`` float32, contiguous in the vocab dimension.
+        idx_mapping: ``[rows]`` int64, the slot of each row.
+        state: the flushed :class:`~sampler.state.SamplerState`.
+        plan: the step's :class:`~sampler.plan.StepPlan` (which steps run).
+        bans: ``[rows, n]`` int64 banned ids per row (bad words; -1 = none), see
+            :func:`sampler.kernels.pipeline.compute_bad_word_bans`.
+    """
+    from sampler.kernels.pipeline import kernel_tables
+
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    t = kernel_tables(state, plan, idx_mapping, bans)
+    _processing_kernel[(rows,)](
+        logits, logits.stride(0), vocab, t.W, idx_mapping,
+        t.pbits, t.pmask, t.counts, state.fparams, state.fparams.stride(0),
+        t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop, state.iparams,
+        state.iparams.stride(0), state.positions, t.bans, t.nban, t.allowed,
+        HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
+        HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
+        BLOCK=min(2048, triton.next_power_of_2(vocab)),
+    )

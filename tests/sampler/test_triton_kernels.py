@@ -1,0 +1,276 @@
+"""The Triton backend against the torch oracle (TRITON_INTERPRET=1 on CPU, the GPU otherwise).
+
+Small shapes: the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sampler import Sampler, SamplingParams
+from sampler.backends import available_backends
+from sampler.ops.gumbel import compute_gumbel_noise, compute_hash_bits, compute_row_keys
+from sampler.pipeline import run_pipeline
+from sampler.plan import make_plan
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE),
+                                reason="triton is not installed")
+MODES = ["raw_logprobs", "raw_logits", "temperature_logprobs"]
+
+
+def random_params(rng: np.random.Generator, vocab: int) -> SamplingParams:
+    greedy = rng.random() < 0.2
+    return SamplingParams(
+        temperature=0.0 if greedy else float(rng.uniform(0.3, 2.0)),
+        top_k=int(rng.choice([0, 1, 5, 50, vocab - 1, 300])),
+        top_p=float(rng.choice([1.0, 0.9, 0.5, 0.01])),
+        min_p=float(rng.choice([0.0, 0.05])),
+        seed=int(rng.integers(0, 2**62)),
+        logprobs=int(rng.choice([0, 3, 20])),
+        logprobs_mode=str(rng.choice(MODES)),
+        repetition_penalty=float(rng.choice([1.0, 1.3])),
+        frequency_penalty=float(rng.choice([0.0, 0.5])),
+        presence_penalty=float(rng.choice([0.0, -0.3])),
+        min_tokens=int(rng.choice([0, 5])),
+        max_tokens=50,
+        logit_bias={int(rng.integers(vocab)): 3.0} if rng.random() < 0.3 else None,
+        allowed_token_ids=rng.choice(vocab, 40, replace=False).tolist()
+        if rng.random() < 0.1 else None,
+    )
+
+
+def make_batch(seed: int, rows: int, vocab: int, *, max_num_seqs: int = 16, backend="torch"):
+    """A sampler holding ``rows`` random requests in random slots, plus the batch's slots."""
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(max_num_seqs, vocab, device=DEVICE, eos_token_ids=[2], backend=backend)
+    slots = rng.permutation(max_num_seqs)[:rows]
+    for slot in slots:
+        params = random_params(rng, vocab)
+        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist()
+        output = rng.integers(0, vocab, size=int(rng.integers(0, 8))).tolist()
+        words = [[output[-1] if output else 5, 7], [9]] if rng.random() < 0.3 else []
+        sampler.add_request(int(slot), params, prompt, seed=params.seed,
+                            output_token_ids=output, bad_words_token_ids=words)
+    return sampler, slots
+
+
+def both_backends(sampler: Sampler, slots: np.ndarray, logits: torch.Tensor):
+    from sampler.kernels.pipeline import run_pipeline_triton
+
+    state = sampler.state
+    state.flush()
+    plan = make_plan(state, slots)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
+    thresholds = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
+    out = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thresholds)
+    return ref, out, thresholds, plan
+
+
+def assert_same(ref, out) -> None:
+    assert torch.equal(ref.token_ids, out.token_ids)
+    if ref.logprobs is None:
+        assert out.logprobs is None
+        return
+    torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.equal(out.ranks, ref.ranks)
+    if ref.topk_ids is not None:
+        assert torch.equal(out.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(out.topk_values, ref.topk_values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_kernel_matches_torch_pipeline(seed):
+    rows, vocab = (7, 1000) if seed % 2 else (3, 111)
+    sampler, slots = make_batch(seed, rows, vocab)
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if seed % 3 == 1 else torch.float32
+    logits = (torch.randn(rows, vocab, generator=g) * (1 + seed % 4)).to(dtype).to(DEVICE)
+    ref, out, thresholds, _ = both_backends(sampler, slots, logits)
+    assert_same(ref, out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_sets_equal_oracle(seed):
+    """The kernel's kept set {t : processed_t / T >= threshold} is the torch pipeline's."""
+    rows, vocab = 6, 400
+    sampler, slots = make_batch(100 + seed, rows, vocab)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g).mul(2.0).to(DEVICE)
+    if seed == 3:  # ties everywhere
+        logits = torch.round(logits * 2) / 2
+    from sampler.kernels.pipeline import run_pipeline_triton
+
+    state = sampler.state
+    state.flush()
+    plan = make_plan(state, slots)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    processed = logits.clone()
+    run_pipeline(processed, idx, state, plan, inplace=True)  # -> processed logits / T, masked
+    thresholds = torch.empty(rows, device=DEVICE)
+    run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thresholds)
+    greedy = state.is_greedy[idx]
+    # the values before the masks of steps 9-11: redo steps 2-8 on the torch path
+    stats = logits.clone()
+    plan28 = plan.__class__(**{**{f: getattr(plan, f) for f in plan.__slots__},
+                               "do_min_p": False, "do_top_k": False, "do_top_p": False,
+                               "modes": frozenset(), "max_num_logprobs": 0})
+    run_pipeline(stats, idx, state, plan28, inplace=True)
+    for r in range(rows):
+        if greedy[r]:
+            continue
+        kept_ref = torch.isfinite(processed[r])
+        kept_triton = torch.isfinite(stats[r]) & (stats[r] >= thresholds[r])
+        assert torch.equal(kept_ref, kept_triton), f"row {r}"
+
+
+def test_edge_rows():
+    """All -inf, 99% -inf, k = 1 / V-1 / V with ties, p = 0.01: same as torch."""
+    vocab = 200
+    specs = [
+        SamplingParams(top_k=1, seed=1), SamplingParams(top_k=vocab - 1, seed=2),
+        SamplingParams(top_k=vocab, top_p=0.01, seed=3), SamplingParams(top_p=0.01, seed=4),
+        SamplingParams(temperature=0.0, logprobs=5), SamplingParams(top_k=3, seed=5, logprobs=4),
+    ]
+    sampler = Sampler(8, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
+    for slot, params in enumerate(specs):
+        sampler.add_request(slot, params, [1], seed=params.seed or 0)
+    logits = torch.round(torch.randn(len(specs), vocab, generator=torch.Generator().manual_seed(0)))
+    logits[0] = float("-inf")
+    logits[1, 2:] = float("-inf")
+    logits[5, 10:] = float("-inf")
+    logits = logits.to(DEVICE)
+    ref, out, _, _ = both_backends(sampler, np.arange(len(specs)), logits)
+    assert_same(ref, out)
+
+
+def test_seeded_draw_independent_of_batch():
+    """The same seeded row gives the same token alone and in a batch, in another slot."""
+    from sampler.kernels.pipeline import run_pipeline_triton
+
+    vocab = 500
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
+    target = torch.randn(vocab, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    tokens = []
+    for slot, rows in ((0, 1), (9, 12)):
+        sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
+        rng = np.random.default_rng(rows)
+        slots = [s for s in range(16) if s != slot][: rows - 1] + [slot]
+        for s in slots[:-1]:
+            sampler.add_request(s, random_params(rng, vocab), [1, 2], seed=int(rng.integers(99)))
+        sampler.add_request(slot, params, [1, 2], seed=1234)
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        logits[-1] = target
+        sampler.state.flush()
+        plan = make_plan(sampler.state, np.array(slots))
+        out = run_pipeline_triton(logits, torch.tensor(slots, device=DEVICE), sampler.state,
+                                  plan, inplace=False)
+        tokens.append(int(out.token_ids[-1]))
+    assert tokens[0] == tokens[1]
+
+
+def test_noise_bits_and_values_match_torch():
+    from sampler.kernels.noise import compute_gumbel_noise as triton_noise
+
+    seeds = torch.tensor([0, 1, 2**62 + 12345, 987654321], dtype=torch.int64)
+    positions = torch.tensor([0, 5, 77, 2**33 + 1], dtype=torch.int64)
+    sidx = torch.tensor([0, 3, 1, 7], dtype=torch.int64)
+    ref = compute_gumbel_noise(seeds, positions, sidx, 777)
+    out = triton_noise(seeds.to(DEVICE), positions.to(DEVICE), sidx.to(DEVICE), 777).cpu()
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    # the argmax over noise (the draw of a flat row) is the same token
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    bits = compute_hash_bits(compute_row_keys(seeds, positions, sidx), 777)
+    assert bits.max() < 2**32 and bits.min() >= 0  # the oracle the kernel's bits follow
+
+
+def test_processing_kernel_matches_torch_ops():
+    """Steps 2-6 alone: penalties, bias, bans, min_tokens, allowed (bit for bit in fp32)."""
+    from sampler.kernels.pipeline import compute_bad_word_bans
+    from sampler.kernels.process import apply_processing
+
+    rows, vocab = 7, 300
+    sampler, slots = make_batch(42, rows, vocab)
+    state = sampler.state
+    state.flush()
+    plan = make_plan(state, slots)
+    only = plan.__class__(**{**{f: getattr(plan, f) for f in plan.__slots__},
+                             "any_greedy": True, "any_random": False, "do_temperature": False,
+                             "do_min_p": False, "do_top_k": False, "do_top_p": False,
+                             "modes": frozenset(), "max_num_logprobs": 0})
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ref = logits.clone()
+    from sampler.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
+                             apply_min_tokens, apply_penalties)
+    from sampler.state import FREQUENCY, MIN_TOKENS, PRESENCE, REPETITION
+
+    if only.do_allowed:
+        apply_allowed_token_ids(ref, idx, state.has_allowed, state.allowed_mask)
+    if only.do_bad_words:
+        apply_bad_words(ref, idx, state.word_tokens, state.word_lens, state.recent_tokens)
+    if only.do_min_tokens:
+        apply_min_tokens(ref, idx, state.positions, state.iparams[:, MIN_TOKENS], state.stop_ids)
+    if only.do_logit_bias:
+        apply_logit_bias(ref, idx, state.bias_ids, state.bias_values)
+    if only.do_penalties:
+        f = state.fparams
+        apply_penalties(ref, idx, state.prompt_mask, state.output_counts, f[:, REPETITION],
+                        f[:, FREQUENCY], f[:, PRESENCE])
+    assert only.do_penalties and only.do_bad_words and only.do_logit_bias
+    out = logits.clone()
+    apply_processing(out, idx, state, only, compute_bad_word_bans(idx, state))
+    assert torch.equal(out, ref)
+
+
+def test_stateful_sampler_triton_equals_torch_over_steps():
+    """20 steps of a persistent batch (add/remove, penalties, bad words): same tokens, and the
+    penalty bits follow the sampled ids."""
+    vocab, steps = 300, 20
+    a, slots = make_batch(5, 6, vocab, backend="torch")
+    b, _ = make_batch(5, 6, vocab, backend="triton")
+    rng = np.random.default_rng(0)
+    active = list(slots)
+    for step in range(steps):
+        logits = torch.randn(len(active), vocab, generator=torch.Generator().manual_seed(step))
+        logits = logits.to(DEVICE)
+        out_a = a.sample(logits.clone(), active)
+        out_b = b.sample(logits.clone(), active)
+        assert torch.equal(out_a.token_ids, out_b.token_ids), f"step {step}"
+        if step % 5 == 4:  # recycle a slot
+            slot = active.pop(int(rng.integers(len(active))))
+            for s in (a, b):
+                s.remove_request(int(slot))
+                s.add_request(int(slot), SamplingParams(repetition_penalty=1.5, top_k=7, seed=3),
+                              [1, 2, 3], seed=3)
+            active.append(slot)
+    bits = b.state.penalty_bits
+    counts = b.state.output_counts
+    for slot in active:
+        seen = b.state.prompt_mask[slot] | (counts[slot] > 0)
+        expect = torch.zeros(bits.shape[1] * 32, dtype=torch.bool, device=DEVICE)
+        expect[:vocab] = seen
+        got = ((bits[slot].to(torch.int64)[:, None] >> torch.arange(32, device=DEVICE)) & 1)
+        assert torch.equal(got.reshape(-1).bool(), expect)
+
+
+def test_sliced_vocab_and_bf16():
+    """A vocab slice of a padded bf16 tensor (non-contiguous rows) works."""
+    from sampler.kernels.pipeline import run_pipeline_triton
+
+    vocab = 250
+    sampler, slots = make_batch(11, 5, vocab)
+    padded = torch.randn(5, 320, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits = padded.to(DEVICE)[:, :vocab]
+    state = sampler.state
+    state.flush()
+    plan = make_plan(state, slots)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    ref = run_pipeline(logits.contiguous(), idx, state, plan, inplace=False)
+    before = logits.clone()
+    out = run_pipeline_triton(logits, idx, state, plan, inplace=False)
+    assert_same(ref, out)
+    assert torch.equal(logits, before)  # the raw snapshot stays pristine
