@@ -39,7 +39,12 @@ class EngineConfig:
         kv_cache_memory: bytes for the KV pool when ``num_kv_blocks`` is None (CPU default 1 GiB).
         gpu_memory_utilization: share of the device memory the process may use on CUDA.
         enable_prefix_caching: reuse full KV blocks by chained block hash.
-        attention_backend: "auto", "torch" (reference, any device) or "flashinfer".
+        attention_backend: "auto" (FlashInfer on CUDA when it is installed, else torch),
+            "torch" (reference, any device) or "flashinfer".
+        cuda_graphs: capture pure-decode steps in CUDA graphs, one per batch-size bucket;
+            None means True on CUDA (with the FlashInfer backend) and False elsewhere.
+        cuda_graph_max_batch: the largest captured decode batch; None takes ``max_num_seqs``.
+            Larger decode batches, and prefill or mixed steps, run eagerly.
         sampler_backend: passed to the sampler ("auto", "torch", "triton", "flashinfer").
         max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
         trust_remote_code: allow model code from the checkpoint.
@@ -59,6 +64,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    cuda_graphs: bool | None = None
+    cuda_graph_max_batch: int | None = None
     sampler_backend: str = "auto"
     max_logprobs: int = 20
     trust_remote_code: bool = False
@@ -79,7 +86,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _fail(name, "must be an integer >= 1", value)
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory",
+                     "cuda_graph_max_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -103,6 +111,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise _fail("cuda_graphs", "must be true, false or None", self.cuda_graphs)
         if self.device == "auto":
             self.device = _default_device()
         if self.dtype == "auto":

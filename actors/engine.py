@@ -220,6 +220,7 @@ class Engine:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "attention_backend": self.executor.runner.backend.name,
+            "cuda_graphs": self.executor.runner.graphs is not None,
         }
 
     @property

@@ -53,31 +53,41 @@ class StepExecutor:
         self.runner = runner
         self.sampler = sampler
         self.chunk = prompt_logprobs_chunk
+        self.timer = None  # an actors.step_timer.StepTimer while timing (benchmarks)
 
     @torch.no_grad()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids."""
+        timer = self.timer
+        if timer is not None:
+            timer.begin_step(sched.num_tokens, len(sched.chunks))
         inputs = self.runner.prepare(sched)
+        if timer is not None:
+            timer.mark("gpu_start")
         hidden = self.runner.execute(inputs, prev.token_ids if prev is not None else None)
         step = InflightStep([], [], None, None, num_tokens=sched.num_tokens)
         step.prompt_scores = self._score_prompts(sched, inputs.query_start_loc, hidden)
         if sched.sample_seqs:
-            chunk_rows = np.asarray(sched.sample_chunks, np.int64)
-            unique, inverse = np.unique(chunk_rows, return_inverse=True)
-            to_device = self.runner.to_device
-            logits = self.runner.compute_logits(hidden[to_device(inputs.last_index[unique])])
-            if len(unique) != len(chunk_rows):  # forked samples share their parent's row
-                logits = logits[to_device(inverse.reshape(-1).astype(np.int64))]
+            runner = self.runner
+            logits = runner.compute_logits(hidden[runner.sample_rows])
+            if runner.sample_inverse is not None:  # forked samples share their parent's row
+                logits = logits[runner.sample_inverse]
             slots = [seq.slot for seq in sched.sample_seqs]
+            if timer is not None:
+                timer.mark("sample")
             out = self.sampler.sample(logits, slots)
             step.output = AsyncOutput(out)
             step.token_ids = out.token_ids
+            pending_pos = step.pending_pos
             for row, seq in enumerate(sched.sample_seqs):
-                seq.token_ids.append(PENDING)
+                tokens = seq.token_ids
+                tokens.append(PENDING)
                 seq.num_pending += 1
                 seq.pending_row = row
-                step.pending_pos.append(len(seq.token_ids) - 1)
+                pending_pos.append(len(tokens) - 1)
             step.sample_seqs = list(sched.sample_seqs)
+        if timer is not None:
+            timer.end_step()
         return step
 
     def _score_prompts(self, sched: SchedulerOutput, query_start_loc: np.ndarray,

@@ -23,6 +23,8 @@ class KVCache:
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the pool's shape.
         dtype, device: of the pages.
+        num_scratch_blocks: extra pages after the ``num_blocks`` the block manager hands out
+            (CUDA-graph padding rows write their K/V to the first of them).
     """
 
     def __init__(
@@ -34,18 +36,25 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_scratch_blocks: int = 0,
     ):
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.num_scratch_blocks = num_scratch_blocks
         # zeros, not empty: padded table entries are read (and masked), never NaN garbage
         self.pool = torch.zeros(
-            (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim),
+            (num_layers, num_blocks + num_scratch_blocks, 2, block_size, num_kv_heads, head_dim),
             dtype=dtype,
             device=device,
         )
+
+    @property
+    def scratch_page(self) -> int:
+        """The first page no sequence owns (-1 when there is none)."""
+        return self.num_blocks if self.num_scratch_blocks else -1
 
     def layer(self, layer_idx: int) -> torch.Tensor:
         """``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` view of one layer."""
@@ -78,18 +87,20 @@ def compute_num_blocks(
     max_num_seqs: int,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
+    reserved: int = 0,
 ) -> int:
     """How many blocks to allocate when the config does not fix it.
 
     Budget: ``kv_cache_memory`` bytes if given; on CUDA, ``gpu_memory_utilization`` of the
-    device memory minus what is in use now (weights are loaded first); on CPU 1 GiB. Never more
-    than what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+    device memory minus what is in use now (weights are loaded first) and minus ``reserved``
+    (the peak a step needs, measured by a warm-up forward, plus workspaces); on CPU 1 GiB.
+    Never more than what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
     """
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * gpu_memory_utilization) - (total - free)
+        budget = int(total * gpu_memory_utilization) - (total - free) - reserved
     else:
         budget = _CPU_DEFAULT_BYTES
     blocks_per_seq = math.ceil(max_model_len / block_size)

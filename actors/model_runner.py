@@ -1,25 +1,31 @@
 """Model runner: packs a scheduled step into ``[1, T]`` inputs, runs the transformers model on
 our paged KV cache, and applies the LM head only to the rows that need logits.
 
-Host work per step is a handful of numpy operations over the step's sequences; the device
-sees one upload of the step's arrays. Decode inputs whose token is still on the device (the
-previous step's sample, not yet read by the host) are gathered there from that step's
-sampled ids, so a step can be launched before the previous one's output reached the host.
+Host work per step is a handful of numpy operations over the step's sequences (block tables
+come from a per-slot mirror updated incrementally); the device sees the step's arrays through
+one persistent pinned staging arena, uploaded before any kernel of the step. Decode inputs
+whose token is still on the device (the previous step's sample, not yet read by the host) are
+gathered there from that step's sampled ids, so a step can be launched before the previous
+one's output reached the host. Pure-decode steps replay a CUDA graph when graphs are enabled.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from actors.attention import STEP_KWARG, AttentionBackend, AttentionMetadata, StepContext
+from actors.block_table import BlockTableMirror
 from actors.kv_cache import KVCache
 from actors.model_loader import LoadedModel
 from actors.scheduler import SchedulerOutput
 from actors.sequence import PENDING
+from actors.staging import Staging
+
+_EMPTY = np.zeros(0, np.int64)
 
 
 @dataclass(slots=True)
@@ -38,6 +44,8 @@ class StepInputs:
     copies: np.ndarray           # [C, 2] (src, dst) pages to copy after the forward
     max_query_len: int
     max_seq_len: int
+    sample_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [U] rows that sample
+    sample_inverse: np.ndarray | None = None    # [S] row of each sample among them (forks)
 
 
 class ModelRunner:
@@ -47,46 +55,75 @@ class ModelRunner:
         loaded: the model and its facts.
         kv_cache: the paged KV pool.
         backend: the attention backend over ``kv_cache``.
+        max_num_seqs, max_model_len: size the block-table mirror (it grows if needed).
     """
 
-    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, backend: AttentionBackend):
+    def __init__(self, loaded: LoadedModel, kv_cache: KVCache, backend: AttentionBackend,
+                 *, max_num_seqs: int = 8, max_model_len: int = 256):
         self.loaded = loaded
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = loaded.device
         self.block_size = kv_cache.block_size
         self.vocab_size = loaded.vocab_size
+        self.staging = Staging(self.device)
+        self.set_backend(backend)
+        self.tables = BlockTableMirror(max_num_seqs, -(-max_model_len // self.block_size))
+        self.graphs = None  # actors.cuda_graphs.DecodeGraphs once captured
+        self.sample_rows: torch.Tensor | None = None     # device copies of the step's
+        self.sample_inverse: torch.Tensor | None = None  # sample_rows / sample_inverse
+
+    def set_backend(self, backend: AttentionBackend) -> None:
+        """Switches the attention backend (the engine probes with the torch reference)."""
+        self.backend = backend
+        if hasattr(backend, "upload"):
+            backend.upload = self.staging.upload
 
     # ------------------------------------------------------------------ host side
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Packs the scheduled chunks (numpy; no device work)."""
         chunks = sched.chunks
+        n = len(chunks)
         bs = self.block_size
-        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
-        cu = np.zeros(len(chunks) + 1, np.int64)
+        starts = np.fromiter((c.start for c in chunks), np.int64, n)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+        cu = np.zeros(n + 1, np.int64)
         np.cumsum(lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(
-                c.seq.token_ids[c.start:c.start + c.num_tokens] for c in chunks),
-            np.int64, num_tokens)
-        seq_of_token = np.repeat(np.arange(len(chunks)), lens)
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
+        seqs = [c.seq for c in chunks]
+        if num_tokens == n:  # one token per chunk (decodes)
+            input_ids = np.fromiter((c.seq.token_ids[c.start] for c in chunks), np.int64, n)
+            seq_of_token = np.arange(n)
+            positions = starts
+        else:
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    c.seq.token_ids[c.start:c.start + c.num_tokens] for c in chunks),
+                np.int64, num_tokens)
+            seq_of_token = np.repeat(np.arange(n), lens)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
         seq_lens = starts + lens
+        slots = np.fromiter((s.slot for s in seqs), np.int64, n)
+        self.tables.update(slots.tolist(), [s.block_table for s in seqs])
         max_blocks = int(-(-seq_lens.max() // bs))
-        block_tables = np.zeros((len(chunks), max_blocks), np.int32)
-        for i, chunk in enumerate(chunks):
-            table = chunk.seq.block_table
-            block_tables[i, :len(table)] = table[:max_blocks]
+        block_tables = self.tables.gather(slots, max_blocks)
         slot_mapping = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs
                         + positions % bs)
         pending_index = np.flatnonzero(input_ids == PENDING)
-        pending_rows = np.fromiter(
-            (chunks[seq_of_token[i]].seq.pending_row for i in pending_index),
-            np.int64, len(pending_index))
-        assert (pending_rows >= 0).all(), "a pending input has no row to gather from"
-        copies = np.asarray(sched.copies, np.int64).reshape(-1, 2)
+        if len(pending_index):  # only a chunk's last token can be pending
+            rows = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+            pending_rows = rows[seq_of_token[pending_index]]
+            assert (pending_rows >= 0).all(), "a pending input has no row to gather from"
+        else:
+            pending_rows = _EMPTY
+        last_index = cu[1:] - 1
+        sample_rows, sample_inverse = _EMPTY, None
+        if sched.sample_seqs:
+            chunk_rows = np.asarray(sched.sample_chunks, np.int64)
+            unique, inverse = np.unique(chunk_rows, return_inverse=True)
+            sample_rows = last_index[unique]
+            if len(unique) != len(chunk_rows):  # forked samples share their parent's row
+                sample_inverse = inverse.reshape(-1).astype(np.int64)
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -96,62 +133,86 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             pending_index=pending_index,
             pending_rows=pending_rows,
-            last_index=cu[1:] - 1,
-            copies=copies,
+            last_index=last_index,
+            copies=np.asarray(sched.copies, np.int64).reshape(-1, 2),
             max_query_len=int(lens.max()),
             max_seq_len=int(seq_lens.max()),
+            sample_rows=sample_rows,
+            sample_inverse=sample_inverse,
         )
 
     # ------------------------------------------------------------------ device side
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A device copy of a host array that never makes the host wait for the device
-        (pinned staging + non-blocking copy on CUDA; shares memory on CPU)."""
+        (fresh pinned staging + non-blocking copy on CUDA; shares memory on CPU). For uploads
+        after the step's staging phase (the staging arena is reused by the next step)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+    def _upload_sampling(self, inputs: StepInputs) -> None:
+        up = self.staging.upload
+        self.sample_rows = up(inputs.sample_rows)
+        self.sample_inverse = (None if inputs.sample_inverse is None
+                               else up(inputs.sample_inverse))
 
     @torch.no_grad()
     def execute(self, inputs: StepInputs, prev_token_ids: torch.Tensor | None) -> torch.Tensor:
         """Runs the model; returns the final hidden states ``[T, hidden]``.
 
         ``prev_token_ids`` is the previous step's sampled ids on the device (needed when some
-        inputs are PENDING).
+        inputs are PENDING). Also leaves the device copies of ``inputs.sample_rows`` /
+        ``sample_inverse`` in ``self.sample_rows`` / ``self.sample_inverse``.
         """
-        input_ids = self.to_device(inputs.input_ids)
+        if len(inputs.pending_index) and prev_token_ids is None:
+            raise RuntimeError("pending decode inputs but no previous sampled ids")
+        staging = self.staging
+        staging.begin_uploads()
+        hidden = None
+        if self.graphs is not None and self.graphs.accepts(inputs):
+            hidden = self.graphs.run(self, inputs, prev_token_ids)
+        if hidden is None:
+            hidden = self._execute_eager(inputs, prev_token_ids)
+        if len(inputs.copies):
+            copies = self.to_device(inputs.copies)
+            self.kv_cache.copy_blocks(copies[:, 0], copies[:, 1])
+        return hidden
+
+    def _execute_eager(self, inputs: StepInputs, prev_token_ids: torch.Tensor | None
+                       ) -> torch.Tensor:
+        up = self.staging.upload
+        input_ids = up(inputs.input_ids)
         if len(inputs.pending_index):
-            if prev_token_ids is None:
-                raise RuntimeError("pending decode inputs but no previous sampled ids")
-            index = self.to_device(inputs.pending_index)
-            rows = self.to_device(inputs.pending_rows)
+            index = up(inputs.pending_index)
+            rows = up(inputs.pending_rows)
             input_ids = input_ids.clone() if input_ids.device.type == "cpu" else input_ids
             input_ids[index] = prev_token_ids[rows]
-        positions = self.to_device(inputs.positions)
+        positions = up(inputs.positions)
         metadata = AttentionMetadata(
             num_seqs=len(inputs.seq_lens),
             num_tokens=len(inputs.input_ids),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
-            query_start_loc=self.to_device(inputs.query_start_loc),
-            seq_lens=self.to_device(inputs.seq_lens),
-            block_tables=self.to_device(inputs.block_tables),
-            slot_mapping=self.to_device(inputs.slot_mapping),
+            query_start_loc=up(inputs.query_start_loc),
+            seq_lens=up(inputs.seq_lens),
+            block_tables=up(inputs.block_tables),
+            slot_mapping=up(inputs.slot_mapping),
             positions=positions,
             query_start_loc_host=inputs.query_start_loc,
             seq_lens_host=inputs.seq_lens,
             block_tables_host=inputs.block_tables,
             block_size=self.block_size,
         )
+        self._upload_sampling(inputs)
         ctx = StepContext(self.backend, metadata, self.backend.plan(metadata))
-        hidden = self.forward(input_ids, positions, ctx)
-        if len(inputs.copies):
-            copies = self.to_device(inputs.copies)
-            self.kv_cache.copy_blocks(copies[:, 0], copies[:, 1])
-        return hidden
+        self.staging.end_uploads()
+        return self.forward(input_ids, positions, ctx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         """The base model on packed ``[T]`` ids/positions -> hidden ``[T, hidden]``."""
+        ctx.backend.begin_forward(ctx.plan)
         out = self.loaded.base_model(
             input_ids=input_ids[None],
             position_ids=positions[None],

@@ -32,6 +32,8 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "base"
+    #: whether ``graph_plan`` / ``update_graph_plan`` exist (CUDA-graph decode buckets)
+    supports_graphs: bool = False
 
     def __init__(self, kv_cache: Any, num_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_cache = kv_cache
@@ -42,6 +44,10 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def plan(self, metadata: AttentionMetadata) -> Any:
         """Prepares everything the layers of this step share; returns the plan object."""
+
+    def begin_forward(self, plan: Any) -> None:
+        """Per-step device work shared by the layers, run at the start of the forward (so a
+        CUDA graph captures it); nothing by default."""
 
     @abc.abstractmethod
     def forward(
@@ -66,6 +72,8 @@ class StepContext:
     metadata: AttentionMetadata
     plan: Any
     layers_called: list[int] | None = None  # filled only by the load-time probe
+    # {layer: (sliding_window, scaling)} as the model passed them (load-time probe only)
+    layer_specs: dict[int, tuple[int | None, float]] | None = None
 
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -103,6 +111,8 @@ def paged_attention_forward(
         ctx.layers_called.append(layer_idx)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if ctx.layer_specs is not None:
+        ctx.layer_specs[layer_idx] = (kwargs.get("sliding_window"), float(scaling))
     out = ctx.backend.forward(
         ctx.plan,
         layer_idx,

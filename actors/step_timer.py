@@ -1,0 +1,78 @@
+"""Per-step timing of the engine on CUDA: device events around each launched step.
+
+``StepTimer`` is attached to ``StepExecutor.timer`` by benchmarks (None otherwise: no cost).
+For each step it records host clocks and three events on the compute stream: before the
+step's first device operation (its uploads), before the sampler, and after the sampler. The
+device is idle between two steps from the end event of one to the start event of the next:
+that start event only runs once the host has enqueued it, so the gap is the time the device
+waited for the host (bubbles inside a step, e.g. an eager forward that launches slower than the
+device runs, are not counted here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class _Step:
+    num_tokens: int
+    num_seqs: int
+    host_start: float
+    host_end: float = 0.0
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict)
+
+
+class StepTimer:
+    """Collects step timings; ``summary()`` reads them (it synchronises the device)."""
+
+    def __init__(self) -> None:
+        self.steps: list[_Step] = []
+
+    def begin_step(self, num_tokens: int, num_seqs: int) -> None:
+        self.steps.append(_Step(num_tokens, num_seqs, time.perf_counter()))
+
+    def mark(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.steps[-1].events[name] = event
+
+    def end_step(self) -> None:
+        self.mark("end")
+        self.steps[-1].host_end = time.perf_counter()
+
+    def summary(self, min_batch: int = 0) -> dict[str, float]:
+        """Decode-step figures over the pure-decode steps with at least ``min_batch`` rows:
+        ``decode_steps``, ``ms_per_decode_step`` (start-to-start period), ``gpu_ms_per_step``
+        (start to end), ``sampler_ms_per_step``, ``idle_fraction`` (gaps over the period),
+        ``host_launch_ms`` (host time inside ``launch``)."""
+        torch.cuda.synchronize()
+        steps = [s for s in self.steps if "gpu_start" in s.events and "end" in s.events]
+        pick = [i for i in range(len(steps) - 1)
+                if steps[i].num_tokens == steps[i].num_seqs >= max(1, min_batch)]
+        if not pick:
+            return {"decode_steps": 0}
+        period, busy, gap, sample, host = [], [], [], [], []
+        for i in pick:
+            s, nxt = steps[i], steps[i + 1]
+            start, end = s.events["gpu_start"], s.events["end"]
+            period.append(start.elapsed_time(nxt.events["gpu_start"]))
+            busy.append(start.elapsed_time(end))
+            gap.append(end.elapsed_time(nxt.events["gpu_start"]))
+            if "sample" in s.events:
+                sample.append(s.events["sample"].elapsed_time(end))
+            host.append((s.host_end - s.host_start) * 1e3)
+        total = float(np.sum(period))
+        return {
+            "decode_steps": len(pick),
+            "mean_batch": float(np.mean([steps[i].num_seqs for i in pick])),
+            "ms_per_decode_step": float(np.median(period)),
+            "gpu_ms_per_step": float(np.median(busy)),
+            "sampler_ms_per_step": float(np.median(sample)) if sample else 0.0,
+            "idle_fraction": float(np.sum(gap)) / total if total > 0 else 0.0,
+            "host_launch_ms": float(np.median(host)),
+        }
