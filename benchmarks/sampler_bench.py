@@ -4,6 +4,13 @@ One timed step is ``Sampler.sample(logits, slots)`` plus ``AsyncOutput(out).get(
 has the token ids and logprobs). Medians over ``--iters`` steps after ``--warmup`` steps; the
 persistent batch advances every step (positions, counts), as in the engine.
 
+On CUDA two more figures are taken per entry: ``gpu_ms``, the device time of the step's work
+between CUDA events, with the stream held busy by a sleep kernel while the host enqueues (so
+host launch gaps are not counted: the engine overlaps them with the model), and ``peak_mb``,
+the peak extra device memory of a step (``torch.cuda.max_memory_allocated``) next to the bf16
+logits size. ``--flashinfer-alone`` adds FlashInfer's ``top_k_top_p_sampling_from_logits`` on
+the same logits (top-k 50, top-p 0.9) as a reference column.
+
     python benchmarks/sampler_bench.py --device cpu
     python benchmarks/sampler_bench.py --device cuda --batch-sizes 1,32,256 \
         --vocab-sizes 32000,151936 --json docs/sampler_bench_h200.json
@@ -66,7 +73,7 @@ def _workload(name: str, row: int, vocab: int, rng: random.Random) -> dict:
                 temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
                 frequency_penalty=0.2, presence_penalty=0.1, min_tokens=4,
                 stop_token_ids=[1, 2], logit_bias={3: 1.0, 4: -1.0}, logprobs=20,
-                logprobs_mode=rng.choice(["raw_logprobs", "processed_logprobs"]), seed=seed),
+                seed=seed),
             "bad_words": [[5], [6, 7], [8, 9, 10]],
             "prompt": [rng.randrange(vocab) for _ in range(256)],
         }
@@ -81,12 +88,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _gpu_time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> list[float]:
+    """Device time of ``fn`` per call (CUDA events; the stream is kept busy by a sleep so the
+    host's enqueue time is hidden)."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work queued ahead of the step
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: torch.dtype,
+                           warmup: int, iters: int) -> dict:
+    """FlashInfer's top-k/top-p sampling from logits alone (k=50, p=0.9) on the same logits."""
+    record = {"backend": "flashinfer_alone", "workload": "full", "batch": batch,
+              "vocab": vocab, "device": device.type, "dtype": str(dtype).replace("torch.", "")}
+    try:
+        import flashinfer.sampling as fs
+    except ImportError as exc:
+        return {**record, "skipped": f"flashinfer: {exc}"}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(device=device, dtype=dtype)
+    top_k = torch.full((batch,), 50, dtype=torch.int32, device=device)
+    top_p = torch.full((batch,), 0.9, dtype=torch.float32, device=device)
+
+    def step():
+        return fs.top_k_top_p_sampling_from_logits(logits, top_k, top_p)
+    try:
+        for _ in range(max(warmup, 1)):
+            step()
+    except Exception as exc:  # dtype support differs between releases
+        logits = logits.float()
+        record["note"] = f"fp32 logits ({type(exc).__name__})"
+        step()
+    torch.cuda.synchronize(device)
+    times = sorted(_gpu_time_ms(step, iters, device))
+    return {**record, "iters": iters, "median_ms": statistics.median(times),
+            "gpu_ms": statistics.median(times)}
+
+
+def _triton_variant(name: str) -> None:
+    """``triton@BLOCKxWARPS`` selects a launch config of the fused kernel (a tuning sweep)."""
+    if name.startswith("triton"):
+        from sampler.kernels.pipeline import LaunchConfig, set_launch_config
+
+        if "@" in name:
+            block, warps = (int(v) for v in name.split("@")[1].split("x"))
+            set_launch_config(LaunchConfig(block=block, num_warps=warps))
+        else:
+            set_launch_config(None)
+
+
 def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch.device,
               dtype: torch.dtype, warmup: int, iters: int) -> dict:
+    _triton_variant(backend)
     record = {"backend": backend, "workload": workload, "batch": batch, "vocab": vocab,
               "device": device.type, "dtype": str(dtype).replace("torch.", "")}
     try:
-        sampler = BACKENDS[backend](batch, vocab, device)
+        sampler = BACKENDS[backend.split("@")[0]](batch, vocab, device)
     except ValueError as exc:  # a backend this build or machine does not provide
         return {**record, "skipped": str(exc)}
     rng = random.Random(batch * 7 + vocab)
@@ -109,8 +173,24 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
         if step >= warmup:
             times.append(elapsed * 1e3)
     times.sort()
-    return {**record, "iters": iters, "median_ms": statistics.median(times),
-            "p10_ms": times[len(times) // 10], "p90_ms": times[(len(times) * 9) // 10]}
+    record.update({"iters": iters, "median_ms": statistics.median(times),
+                   "p10_ms": times[len(times) // 10], "p90_ms": times[(len(times) * 9) // 10]})
+    if device.type == "cuda":
+        def step():
+            work.copy_(source)
+            return sampler.sample(work, slots)
+        copy = _gpu_time_ms(lambda: work.copy_(source), iters, device)
+        gpu = _gpu_time_ms(step, iters, device)
+        record["gpu_ms"] = statistics.median(gpu) - statistics.median(copy)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = sampler.sample(work, slots)
+        torch.cuda.synchronize(device)
+        record["peak_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+        record["logits_bf16_mb"] = batch * vocab * 2 / 2**20
+        del out
+    return record
 
 
 def _ints(text: str) -> list[int]:
@@ -131,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None, help="write the records here")
+    ap.add_argument("--flashinfer-alone", action="store_true",
+                    help="add FlashInfer's top_k_top_p_sampling_from_logits alone (cuda)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if args.batch_sizes is None:
@@ -138,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.vocab_sizes is None:
         args.vocab_sizes = [32000, 151936] if cuda else [32000]
     for name in args.backends.split(","):
-        if name not in BACKENDS:
+        if name.split("@")[0] not in BACKENDS:
             ap.error(f"--backends: unknown backend {name!r}")
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
@@ -148,8 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def format_table(records: list[dict], backends: list[str]) -> str:
-    """One line per (workload, batch, vocab), one median column per backend (ms)."""
+def format_table(records: list[dict], backends: list[str], field: str = "median_ms") -> str:
+    """One line per (workload, batch, vocab), one column per backend (``field``, ms)."""
     head = f"{'workload':<16}{'batch':>6}{'vocab':>8}" + "".join(f"{b:>14}" for b in backends)
     lines = [head, "-" * len(head)]
     keys = sorted({(r["workload"], r["batch"], r["vocab"]) for r in records},
@@ -159,7 +241,8 @@ def format_table(records: list[dict], backends: list[str]) -> str:
         for b in backends:
             rec = next((r for r in records if (r["workload"], r["batch"], r["vocab"]) == key
                         and r["backend"] == b), None)
-            cells.append("n/a" if rec is None or "skipped" in rec else f"{rec['median_ms']:.3f}")
+            ok = rec is not None and "skipped" not in rec and field in rec
+            cells.append(f"{rec[field]:.3f}" if ok else "n/a")
         lines.append(f"{key[0]:<16}{key[1]:>6}{key[2]:>8}" + "".join(f"{c:>14}" for c in cells))
     return "\n".join(lines)
 
@@ -178,9 +261,21 @@ def main(argv: list[str] | None = None) -> int:
                 for backend in backends:
                     records.append(bench_one(backend, workload, batch, vocab, device, dtype,
                                              args.warmup, args.iters))
-    print(f"sampler step, median ms ({device}, {args.dtype}, {args.iters} iters, "
+                    print(json.dumps(records[-1]), flush=True)
+                if args.flashinfer_alone and workload == "full" and device.type == "cuda":
+                    records.append(bench_flashinfer_alone(batch, vocab, device, dtype,
+                                                          args.warmup, args.iters))
+                    print(json.dumps(records[-1]), flush=True)
+    if args.flashinfer_alone:
+        backends = backends + ["flashinfer_alone"]
+    print(f"sampler step, host median ms ({device}, {args.dtype}, {args.iters} iters, "
           f"torch {torch.__version__})")
     print(format_table(records, backends))
+    if device.type == "cuda":
+        print("\nsampler step, GPU median ms (CUDA events, host gaps hidden)")
+        print(format_table(records, backends, "gpu_ms"))
+        print("\npeak extra device memory of a step, MB")
+        print(format_table(records, backends, "peak_mb"))
     for rec in records:
         if "skipped" in rec:
             print(f"skipped {rec['backend']}: {rec['skipped']}")
