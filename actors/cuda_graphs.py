@@ -59,6 +59,7 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self._plans: dict[int, object] = {}
         self._fallbacks = 0
+        self.num_replays = 0
 
     # ------------------------------------------------------------------ capture
     @torch.no_grad()
@@ -142,4 +143,5 @@ class DecodeGraphs:
         if index is not None:
             self.input_ids.index_copy_(0, index, prev_token_ids.index_select(0, rows))
         self._graphs[b].replay()
+        self.num_replays += 1
         return self._outputs[b][:n]

@@ -13,6 +13,7 @@ partial last page copied).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,24 +98,41 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING or self.is_generation_done(seq):
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in self.running:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
+        bm, bs, max_len = self.bm, self.block_size, self.max_model_len
+        running = SeqStatus.RUNNING
+        for seq in itertools.chain(decodes, prefills):  # inlined per-sequence checks:
+            if budget == 0:                              # this loop runs for every running
+                break                                    # sequence at every step
+            if seq.status is not running:
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._pages_needed(seq, num_new)
-            while need > self.bm.num_free_blocks:
-                victim = self._newest_unscheduled(out.scheduled_ids)
-                if victim is None:  # only sequences of this step hold pages: wait a step
-                    break
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING or need > self.bm.num_free_blocks:
-                continue
+            num_tokens = len(seq.token_ids)
+            request = seq.request
+            max_tokens = request.params.max_tokens
+            if num_tokens >= max_len or (max_tokens is not None and num_tokens
+                                         - len(request.prompt_token_ids) >= max_tokens):
+                continue  # is_generation_done
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            need = -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.block_table)
+            if seq.fanout > 1:
+                need += self._fork_pages(seq, seq.num_computed_tokens + num_new)
+            if need > bm.num_free_blocks:
+                while need > bm.num_free_blocks:
+                    victim = self._newest_unscheduled(out.scheduled_ids)
+                    if victim is None:  # only sequences of this step hold pages: wait a step
+                        break
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not running or need > bm.num_free_blocks:
+                    continue
             self._schedule_chunk(seq, num_new, need, out)
             budget -= num_new
         if not out.preempted:
@@ -172,16 +190,23 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, num_new: int, need: int, out: SchedulerOutput) -> None:
         start = seq.num_computed_tokens
         after = start + num_new
-        fork_pages = self._fork_pages(seq, after)
-        seq.block_table.extend(self.bm.allocate(need - fork_pages))
+        fork_pages = self._fork_pages(seq, after) if seq.fanout > 1 else 0
+        if need > fork_pages:
+            seq.block_table.extend(self.bm.allocate(need - fork_pages))
         seq.num_computed_tokens = after
         out.chunks.append(ScheduledChunk(seq, start, num_new))
         out.scheduled_ids.add(seq.seq_id)
         out.num_tokens += num_new
-        if start < seq.num_prompt_tokens:
-            self.stats.num_prompt_tokens_computed += min(after, seq.num_prompt_tokens) - start
-        self._register_blocks(seq)
-        if after == seq.num_tokens:  # the chunk reaches the end: its last row samples
+        num_prompt = len(seq.request.prompt_token_ids)
+        if start < num_prompt:
+            self.stats.num_prompt_tokens_computed += min(after, num_prompt) - start
+        if self.bm.enable_prefix_caching:
+            bs = self.block_size
+            known = len(seq.token_ids) - seq.num_pending
+            # skip the call when no block became full or computed (most decode steps)
+            if known // bs > len(seq.block_hashes) or after // bs > seq.num_registered_blocks:
+                self._register_blocks(seq)
+        if after == len(seq.token_ids):  # the chunk reaches the end: its last row samples
             chunk_idx = len(out.chunks) - 1
             out.sample_seqs.append(seq)
             out.sample_chunks.append(chunk_idx)

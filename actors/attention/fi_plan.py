@@ -19,8 +19,7 @@ from actors.attention.csr import PagedCSR
 
 
 def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_rows: int,
-           graph: bool, causal: bool, window_left: int,
-           heads: tuple[int, int, int, int]) -> None:
+           causal: bool, window_left: int, heads: tuple[int, int, int, int]) -> None:
     """Recomputes ``wrapper._plan_info`` for a new step.
 
     Args:
@@ -28,9 +27,9 @@ def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_row
             went through its official ``plan`` once with the same heads, dtypes and window.
         qo_indptr_host: ``[B+1]`` int32 CPU query offsets.
         csr: the step's page table (host arrays).
-        num_rows: total query rows (T; the bucket size for graph decode).
-        graph: whether the wrapper was built with ``use_cuda_graph=True``.
-        causal, window_left: the mask, as in the first plan.
+        num_rows: total query rows (T; the batch size for decode).
+        causal, window_left: the mask, as in the first plan (made with
+            ``use_cuda_graph=False`` and ``disable_split_kv=True``, which this plan keeps).
         heads: ``(num_qo_heads, num_kv_heads, head_dim, page_size)``.
     """
     module = getattr(wrapper, "_cached_module", None)
@@ -49,12 +48,12 @@ def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_row
         num_qo_heads,
         num_kv_heads,
         page_size,
-        graph,
+        False,  # enable_cuda_graph: the wrappers are built without it (see flashinfer_backend)
         head_dim,
         head_dim,
         causal,
         window_left,
     ]
     if wrapper._backend == "fa2":
-        args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas
+        args += [-1, True, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas
     wrapper._plan_info = module.plan(*args)

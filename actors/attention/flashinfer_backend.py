@@ -1,16 +1,25 @@
 """FlashInfer paged attention: one plan per step, one kernel call per layer.
 
-Eager steps (prefill, mixed, large decodes) use a ``BatchPrefillWithPagedKVCacheWrapper``
-(causal, FA2) per distinct (sliding window, scale) of the model's layers. CUDA-graph decode
-buckets use ``BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True, use_tensor_cores=True)``
-over static page-table buffers. Both run the same FA2 kernel module, so one JIT build per
-(dtype, head_dim, window flag) serves every step.
+Per distinct (sliding window, scale) of the model's layers: a causal
+``BatchPrefillWithPagedKVCacheWrapper`` (FA2) for prefill and mixed steps, and a tensor-core
+``BatchDecodeWithPagedKVCacheWrapper`` for pure-decode steps, eager or captured in a CUDA graph
+(one wrapper per graph bucket, whose page-table buffers are static). Both wrappers run the same
+FA2 kernel module, so one JIT build per (dtype, head_dim, window flag) serves every step.
+
+Split-KV is disabled everywhere: each query row is reduced by one thread block over its whole
+context, so a row's output does not depend on its batch-mates, the batch size or the plan.
+That is what makes graph and eager decode steps (and seeded sampling with and without graphs)
+bit-identical. It also makes the decode plan's launch layout depend only on the batch size, so
+the graph buckets use FlashInfer's ordinary (non-``use_cuda_graph``) plan over pointer-stable
+buffers: ``use_cuda_graph=True`` without split-KV launches a padded grid whose extra blocks
+recompute stale rows. A re-plan whose layout differs from the captured one makes that step
+run eagerly (``update_graph_plan`` returns False).
 
 New K/V rows are written with ``index_copy_`` at the step's slot mapping, then the kernel reads
 the pages (KV layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps
 it). After each wrapper's first (official) ``plan``, later plans call its compiled module's
-``plan`` directly (``replan``): the official Python ``plan`` iterates over host tensors with
-the builtin ``max`` (milliseconds at 1,000 sequences) and blocks on pageable copies.
+``plan`` directly (``fi_plan.replan``): the official Python ``plan`` iterates over host tensors
+with the builtin ``max`` (milliseconds at 1,000 sequences) and makes blocking copies.
 """
 
 from __future__ import annotations
@@ -88,6 +97,7 @@ class FlashInferBackend(AttentionBackend):
                 self.workspace, "NHD", backend="fa2")
             for key in self.keys
         }
+        self._decode = {key: self._decode_wrapper() for key in self.keys}
         self._planned: set[int] = set()   # id() of wrappers that went through plan() once
         self.upload: Uploader = _default_upload
         self._graph_buffers: dict[str, torch.Tensor] = {}
@@ -96,6 +106,23 @@ class FlashInferBackend(AttentionBackend):
                     getattr(flashinfer, "__version__", "?"), len(self.keys), self.keys,
                     head_dim, num_heads, num_kv_heads)
 
+    def _decode_wrapper(self) -> Any:
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True)
+
+    def _first_plan(self, wrapper: Any, key: LayerKey, qo_host: torch.Tensor | None,
+                    indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        """The official plan (builds or loads the kernel module, sets every attribute)."""
+        window_left, scale = key
+        common = dict(window_left=window_left, sm_scale=scale, q_data_type=self.dtype,
+                      kv_data_type=self.dtype, disable_split_kv=True)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        if qo_host is None:  # decode wrapper
+            wrapper.plan(indptr, indices, last, *shape, **common)
+        else:
+            wrapper.plan(qo_host, indptr, indices, last, *shape, causal=True, **common)
+        self._planned.add(id(wrapper))
+
     # ------------------------------------------------------------------ eager steps
     def plan(self, metadata: AttentionMetadata) -> FlashInferPlan:
         csr = build_csr(metadata.seq_lens_host, metadata.block_tables_host, self.block_size)
@@ -103,15 +130,14 @@ class FlashInferBackend(AttentionBackend):
         indices_d = self.upload(csr.indices, None)
         last_d = self.upload(csr.last_page_len, None)
         qo_host = torch.from_numpy(metadata.query_start_loc_host)
-        for key, wrapper in self._prefill.items():
-            window_left, scale = key
+        decode = metadata.max_query_len == 1
+        wrappers = self._decode if decode else self._prefill
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        for key, wrapper in wrappers.items():
             if id(wrapper) not in self._planned:
-                wrapper.plan(qo_host, torch.from_numpy(csr.indptr), indices_d,
-                             torch.from_numpy(csr.last_page_len), self.num_heads,
-                             self.num_kv_heads, self.head_dim, self.block_size, causal=True,
-                             sm_scale=scale, window_left=window_left, q_data_type=self.dtype,
-                             kv_data_type=self.dtype)
-                self._planned.add(id(wrapper))
+                self._first_plan(wrapper, key, None if decode else qo_host,
+                                 torch.from_numpy(csr.indptr), indices_d,
+                                 torch.from_numpy(csr.last_page_len))
                 continue
             wrapper._qo_indptr_buf = metadata.query_start_loc
             wrapper._paged_kv_indptr_buf = indptr_d
@@ -120,10 +146,9 @@ class FlashInferBackend(AttentionBackend):
             wrapper._batch_size = metadata.num_seqs
             wrapper._max_q_len = metadata.max_query_len
             wrapper._max_kv_len = metadata.max_seq_len
-            replan(wrapper, qo_host, csr, num_rows=metadata.num_tokens, graph=False,
-                   causal=True, window_left=window_left, heads=(self.num_heads,
-                   self.num_kv_heads, self.head_dim, self.block_size))
-        return FlashInferPlan(metadata.slot_mapping, self._prefill)
+            replan(wrapper, qo_host, csr, num_rows=metadata.num_tokens, causal=not decode,
+                   window_left=key[0], heads=shape)
+        return FlashInferPlan(metadata.slot_mapping, wrappers)
 
     def begin_forward(self, plan: FlashInferPlan) -> None:
         """Rows of the new tokens' K/V in a layer's flattened pages (captured in graphs)."""
@@ -158,23 +183,18 @@ class FlashInferBackend(AttentionBackend):
         """A decode plan of ``bucket`` rows over the static buffers (dummy rows: one token on
         ``scratch_page``), planned once officially; ``update_graph_plan`` re-plans it."""
         buf = self._graph_buffers
-        wrappers = {}
-        for key in self.keys:
-            wrappers[key] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=buf["indptr"][:bucket + 1],
-                paged_kv_indices_buffer=buf["indices"],
-                paged_kv_last_page_len_buffer=buf["last"][:bucket])
-        plan = FlashInferPlan(slot_mapping, wrappers, bucket=bucket)
         csr = build_csr(np.zeros(0, np.int64), np.zeros((0, 0), np.int32), self.block_size,
                         pad_to=bucket, scratch_page=scratch_page)
-        for (window_left, scale), wrapper in wrappers.items():
-            wrapper.plan(torch.from_numpy(csr.indptr), torch.from_numpy(csr.indices),
-                         torch.from_numpy(csr.last_page_len), self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.block_size,
-                         window_left=window_left, sm_scale=scale, q_data_type=self.dtype,
-                         kv_data_type=self.dtype)
-            plan.plan_infos[(window_left, scale)] = [int(x) for x in wrapper._plan_info]
+        indptr, last = buf["indptr"][:bucket + 1], buf["last"][:bucket]
+        indptr.copy_(torch.from_numpy(csr.indptr))
+        buf["indices"][:len(csr.indices)].copy_(torch.from_numpy(csr.indices))
+        last.copy_(torch.from_numpy(csr.last_page_len))
+        plan = FlashInferPlan(slot_mapping, {}, bucket=bucket)
+        for key in self.keys:
+            wrapper = plan.wrappers[key] = self._decode_wrapper()
+            # device tensors: the wrapper keeps these very buffers (pointers the graph bakes in)
+            self._first_plan(wrapper, key, None, indptr, buf["indices"], last)
+            plan.plan_infos[key] = [int(x) for x in wrapper._plan_info]
         return plan
 
     def update_graph_plan(self, plan: FlashInferPlan, csr: PagedCSR) -> bool:
@@ -189,10 +209,10 @@ class FlashInferBackend(AttentionBackend):
         qo_host = self._range_host.get(bucket)
         if qo_host is None:
             qo_host = self._range_host[bucket] = torch.arange(bucket + 1, dtype=torch.int32)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         ok = True
         for key, wrapper in plan.wrappers.items():
-            replan(wrapper, qo_host, csr, num_rows=bucket, graph=True, causal=False,
-                   window_left=key[0], heads=(self.num_heads, self.num_kv_heads,
-                                              self.head_dim, self.block_size))
+            replan(wrapper, qo_host, csr, num_rows=bucket, causal=False, window_left=key[0],
+                   heads=shape)
             ok = ok and [int(x) for x in wrapper._plan_info] == plan.plan_infos[key]
         return ok

@@ -1,0 +1,261 @@
+"""End-to-end throughput: HF ``generate`` and the raygen engine on the same prompts, one run.
+
+vLLM throughput-benchmark style: every request is submitted at once, prompts are random token
+ids of a fixed length, outputs have a fixed length (EOS ignored), sampling with temperature and
+top-p. Models are built on the GPU from configs with random bf16 weights, saved with
+``save_pretrained`` (plus a small trained tokenizer: prompts are token ids, nothing is
+detokenized), and loaded back by the engine.
+
+    python benchmarks/e2e_bench.py --out /tmp/e2e            # all workloads
+    python benchmarks/e2e_bench.py --workloads qwen2-0.5b-128 --hf-batches 512,1024
+
+Per workload it reports output and total tok/s of both, their ratio, ms per decode step (median
+start-to-start period of pure-decode steps, CUDA events), the GPU idle fraction between those
+steps, the sampler's share of a step, and the fraction of the compute and memory floors
+(measured bf16 matmul rate and copy bandwidth). JSON lands in ``--out``; a PNG plot too when
+matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN2_05B = dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+LLAMA3_8B = dict(arch="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                 tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=8192)
+WORKLOADS = {  # name: (model config, prompts, prompt length, output length)
+    "qwen2-0.5b-128": (QWEN2_05B, 1024, 128, 128),
+    "qwen2-0.5b-512": (QWEN2_05B, 1024, 512, 512),
+    "llama3-8b-256": (LLAMA3_8B, 512, 256, 256),
+}
+TEMPERATURE, TOP_P = 0.8, 0.95
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(spec: dict, path: Path) -> torch.nn.Module:
+    """Random bf16 weights on the GPU, saved with a trained tokenizer; returns the model."""
+    import transformers
+
+    from toolkit.tiny_model import train_tokenizer
+
+    spec = dict(spec)
+    arch = spec.pop("arch")
+    cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+    cfg = cls(**spec, bos_token_id=0, eos_token_id=2, pad_token_id=3)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    model.save_pretrained(path, max_shard_size="50GB")
+    train_tokenizer(512).save_pretrained(path)
+    return model
+
+
+def measure_ceilings() -> dict:
+    """bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s, read + write)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    y = torch.empty_like(x)
+
+    def timed(fn, reps):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times))
+
+    tflops = 2 * 8192 ** 3 / timed(lambda: a @ b, 10) / 1e12
+    gbps = 2 * x.numel() / timed(lambda: y.copy_(x), 10) / 1e9
+    del a, b, x, y
+    return {"matmul_tflops": tflops, "copy_gbps": gbps}
+
+
+def floors(spec: dict, n: int, prompt: int, out: int, ceil: dict) -> dict:
+    """Compute floor of the workload and memory floor of its decode steps (seconds)."""
+    h, layers, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"]
+    kv, heads = spec["num_key_value_heads"], spec["num_attention_heads"]
+    d = h // heads
+    layer_params = 2 * h * h + 2 * h * kv * d + 3 * h * spec["intermediate_size"]
+    flop_tok = 2 * layers * layer_params
+    ctx = n * (prompt * (prompt + 1) / 2 + out * prompt + out * (out - 1) / 2)  # keys seen
+    attn = 4 * layers * heads * d * ctx
+    flops = flop_tok * n * (prompt + out - 1) + 2 * h * vocab * n * out + attn
+    weight_bytes = 2 * (layers * layer_params + h * vocab)  # LM head read each step
+    kv_bytes = 2 * 2 * layers * kv * d * (n * (out - 1) * prompt + n * (out - 1) * out / 2)
+    return {"compute_s": flops / (ceil["matmul_tflops"] * 1e12),
+            "decode_memory_s": ((out - 1) * weight_bytes + kv_bytes) / (ceil["copy_gbps"] * 1e9)}
+
+
+def run_hf(model, prompts: np.ndarray, out: int, batch: int) -> float:
+    """Seconds for HF generate over all prompts in batches of ``batch``."""
+    def gen(rows, new_tokens=out):
+        ids = torch.from_numpy(np.ascontiguousarray(rows)).cuda()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                       temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    with torch.no_grad():
+        gen(prompts[:2, :16], 4)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            gen(prompts[i:i + batch])
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
+    from actors.engine import Engine
+    from actors.step_timer import StepTimer
+    from sampler import SamplingParams
+
+    n, prompt_len = prompts.shape
+    t0 = time.perf_counter()
+    engine = Engine(str(path), {
+        "max_num_seqs": n, "max_num_batched_tokens": args.max_batched_tokens,
+        "max_model_len": prompt_len + out, "cuda_graphs": not args.no_graphs,
+        "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
+    load_s = time.perf_counter() - t0
+    params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
+                             top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
+    warm = params[0].replace(max_tokens=8)  # warm-up: prefill, graph replays, sampler
+    engine.generate([(f"w{i}", prompts[i, :16].tolist(), warm) for i in range(4)])
+    engine.executor.timer = timer = StepTimer()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        engine.add_request(i, prompts[i].tolist(), params[i])
+    done = 0
+    while engine.has_unfinished_requests():
+        done += len(engine.step())
+    elapsed = time.perf_counter() - t0
+    assert done == n
+    info = engine.info()
+    stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timer.summary(),
+             **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()},
+             "num_steps": len(timer.steps), "attention_backend": info["attention_backend"],
+             "cuda_graphs": info["cuda_graphs"], "sampler_backend": engine.sampler.backend,
+             "num_kv_blocks": info["num_kv_blocks"]}
+    del engine
+    return stats
+
+
+def bench(name: str, args, ceil: dict) -> dict:
+    spec, n, prompt, out = WORKLOADS[name]
+    n = args.num_prompts or n
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(100, spec["vocab_size"] - 1, size=(n, prompt), dtype=np.int64)
+    result = {"workload": name, "num_prompts": n, "prompt_len": prompt, "output_len": out,
+              **floors(spec, n, prompt, out, ceil)}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        log(f"{name}: building the model")
+        model = build_model(spec, Path(tmp))
+        hf = {}
+        for batch in ([] if args.skip_hf else args.hf_batches or [n]):
+            log(f"{name}: HF generate, batch {batch}")
+            hf[batch] = run_hf(model, prompts, out, min(batch, n))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(f"{name}: engine")
+        ours = run_engine(Path(tmp), prompts, out, args)
+    tokens_out, tokens_all = n * out, n * (prompt + out)
+    result["engine"] = {**ours, "output_tok_s": tokens_out / ours["elapsed_s"],
+                        "total_tok_s": tokens_all / ours["elapsed_s"]}
+    result["engine"]["compute_floor_fraction"] = result["compute_s"] / ours["elapsed_s"]
+    if ours.get("decode_steps"):
+        step_floor = result["decode_memory_s"] / (out - 1) * 1e3
+        result["engine"]["decode_memory_floor_fraction"] = step_floor / ours["ms_per_decode_step"]
+    if hf:
+        best = min(hf, key=hf.get)
+        result["hf"] = {"batches": {str(b): tokens_out / s for b, s in hf.items()},
+                        "best_batch": best, "elapsed_s": hf[best],
+                        "output_tok_s": tokens_out / hf[best], "total_tok_s": tokens_all / hf[best]}
+        result["speedup"] = hf[best] / ours["elapsed_s"]
+    log(f"{name}: {json.dumps(result)}")
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["workload"] for r in results]
+    ours = [r["engine"]["output_tok_s"] for r in results]
+    hf = [r.get("hf", {}).get("output_tok_s", 0.0) for r in results]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(x - 0.2, hf, 0.4, label="HF generate (best batch)")
+    ax.bar(x + 0.2, ours, 0.4, label="raygen engine")
+    for i, r in enumerate(results):
+        if "speedup" in r:
+            ax.text(x[i] + 0.2, ours[i], f"{r['speedup']:.1f}x", ha="center", va="bottom")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("End-to-end throughput on one H200 (random bf16 weights)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--out", default=".", help="directory for e2e_bench.json (and the plot)")
+    p.add_argument("--hf-batches", default="", help="HF batch sizes (default: all prompts)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
+    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
+    args = p.parse_args()
+    args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceil = measure_ceilings()
+    log(f"ceilings: {ceil}")
+    results = []
+    for name in args.workloads.split(","):
+        results.append(bench(name, args, ceil))
+        (out / "e2e_bench.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "ceilings": ceil, "results": results},
+            indent=1))
+    print(f"\n{'workload':16} {'HF out tok/s':>12} {'ours out tok/s':>14} {'ratio':>6} "
+          f"{'ms/step':>8} {'idle':>6} {'sampler ms':>10}")
+    for r in results:
+        e = r["engine"]
+        print(f"{r['workload']:16} {r.get('hf', {}).get('output_tok_s', 0):12.0f} "
+              f"{e['output_tok_s']:14.0f} {r.get('speedup', 0):6.2f} "
+              f"{e.get('ms_per_decode_step', 0):8.2f} {e.get('idle_fraction', 0):6.3f} "
+              f"{e.get('sampler_ms_per_step', 0):10.2f}")
+    try:
+        plot(results, out / "e2e_bench.png")
+    except ImportError:
+        log("matplotlib missing: no plot")
+
+
+if __name__ == "__main__":
+    main()
