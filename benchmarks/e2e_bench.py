@@ -37,12 +37,23 @@ QWEN2_05B = dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attent
 LLAMA3_8B = dict(arch="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
                  tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=8192)
+TINY = dict(arch="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+            tie_word_embeddings=True, max_position_embeddings=1024)
 WORKLOADS = {  # name: (model config, prompts, prompt length, output length)
+    "tiny": (TINY, 8, 16, 8),  # a smoke test of the script (CPU or GPU)
     "qwen2-0.5b-128": (QWEN2_05B, 1024, 128, 128),
     "qwen2-0.5b-512": (QWEN2_05B, 1024, 512, 512),
     "llama3-8b-256": (LLAMA3_8B, 512, 256, 256),
 }
 TEMPERATURE, TOP_P = 0.8, 0.95
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NOMINAL = {"matmul_tflops": 790.0, "copy_gbps": 4300.0}  # H200 figures measured here before
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(msg: str) -> None:
@@ -59,8 +70,9 @@ def build_model(spec: dict, path: Path) -> torch.nn.Module:
     arch = spec.pop("arch")
     cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
     cfg = cls(**spec, bos_token_id=0, eos_token_id=2, pad_token_id=3)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval().requires_grad_(False)
     model.save_pretrained(path, max_shard_size="50GB")
     train_tokenizer(512).save_pretrained(path)
@@ -68,7 +80,10 @@ def build_model(spec: dict, path: Path) -> torch.nn.Module:
 
 
 def measure_ceilings() -> dict:
-    """bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s, read + write)."""
+    """bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s, read + write); nominal
+    H200 figures off CUDA."""
+    if DEVICE != "cuda":
+        return dict(NOMINAL, nominal=True)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
@@ -111,18 +126,18 @@ def floors(spec: dict, n: int, prompt: int, out: int, ceil: dict) -> dict:
 def run_hf(model, prompts: np.ndarray, out: int, batch: int) -> float:
     """Seconds for HF generate over all prompts in batches of ``batch``."""
     def gen(rows, new_tokens=out):
-        ids = torch.from_numpy(np.ascontiguousarray(rows)).cuda()
+        ids = torch.from_numpy(np.ascontiguousarray(rows)).to(DEVICE)
         model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                        temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
     with torch.no_grad():
         gen(prompts[:2, :16], 4)  # warm-up
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):
             gen(prompts[i:i + batch])
-        torch.cuda.synchronize()
+        sync()
     return time.perf_counter() - t0
 
 
@@ -135,15 +150,17 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     t0 = time.perf_counter()
     engine = Engine(str(path), {
         "max_num_seqs": n, "max_num_batched_tokens": args.max_batched_tokens,
-        "max_model_len": prompt_len + out, "cuda_graphs": not args.no_graphs,
+        "max_model_len": prompt_len + out,
+        "cuda_graphs": DEVICE == "cuda" and not args.no_graphs,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     load_s = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
                              top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
     warm = params[0].replace(max_tokens=8)  # warm-up: prefill, graph replays, sampler
     engine.generate([(f"w{i}", prompts[i, :16].tolist(), warm) for i in range(4)])
-    engine.executor.timer = timer = StepTimer()
-    torch.cuda.synchronize()
+    timer = StepTimer() if DEVICE == "cuda" else None
+    engine.executor.timer = timer
+    sync()
     t0 = time.perf_counter()
     for i in range(n):
         engine.add_request(i, prompts[i].tolist(), params[i])
@@ -153,9 +170,12 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     elapsed = time.perf_counter() - t0
     assert done == n
     info = engine.info()
-    stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timer.summary(),
-             **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()},
-             "num_steps": len(timer.steps), "attention_backend": info["attention_backend"],
+    timing = {}
+    if timer is not None:
+        timing = {**timer.summary(), "num_steps": len(timer.steps),
+                  **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()}}
+    stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timing,
+             "attention_backend": info["attention_backend"],
              "cuda_graphs": info["cuda_graphs"], "sampler_backend": engine.sampler.backend,
              "num_kv_blocks": info["num_kv_blocks"]}
     del engine
@@ -178,7 +198,8 @@ def bench(name: str, args, ceil: dict) -> dict:
             hf[batch] = run_hf(model, prompts, out, min(batch, n))
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         log(f"{name}: engine")
         ours = run_engine(Path(tmp), prompts, out, args)
     tokens_out, tokens_all = n * out, n * (prompt + out)
@@ -221,9 +242,9 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(w for w in WORKLOADS if w != "tiny"))
     p.add_argument("--out", default=".", help="directory for e2e_bench.json (and the plot)")
     p.add_argument("--hf-batches", default="", help="HF batch sizes (default: all prompts)")
     p.add_argument("--skip-hf", action="store_true")
@@ -231,7 +252,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
     p.add_argument("--max-batched-tokens", type=int, default=16384)
     p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +262,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         results.append(bench(name, args, ceil))
         (out / "e2e_bench.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "ceilings": ceil, "results": results},
+            {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+             "ceilings": ceil, "results": results},
             indent=1))
     print(f"\n{'workload':16} {'HF out tok/s':>12} {'ours out tok/s':>14} {'ratio':>6} "
           f"{'ms/step':>8} {'idle':>6} {'sampler ms':>10}")
@@ -255,6 +277,7 @@ def main() -> None:
         plot(results, out / "e2e_bench.png")
     except ImportError:
         log("matplotlib missing: no plot")
+    return results
 
 
 if __name__ == "__main__":

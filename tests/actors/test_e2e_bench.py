@@ -1,0 +1,43 @@
+"""Smoke test of benchmarks/e2e_bench.py on a tiny model (CPU in CI; the GPU run is the
+benchmark itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_bench.py"
+
+
+@pytest.fixture(scope="module")
+def e2e_bench():
+    spec = importlib.util.spec_from_file_location("e2e_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_workload_runs_both_sides_and_writes_json(e2e_bench, tmp_path, capsys):
+    results = e2e_bench.main(["--workloads", "tiny", "--out", str(tmp_path),
+                              "--tmp", str(tmp_path), "--max-batched-tokens", "64"])
+    saved = json.loads((tmp_path / "e2e_bench.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(results))
+    (r,) = results
+    n, out = r["num_prompts"], r["output_len"]
+    assert r["engine"]["output_tok_s"] == pytest.approx(n * out / r["engine"]["elapsed_s"])
+    assert r["hf"]["output_tok_s"] == pytest.approx(n * out / r["hf"]["elapsed_s"])
+    assert r["speedup"] == pytest.approx(r["hf"]["elapsed_s"] / r["engine"]["elapsed_s"])
+    assert r["compute_s"] > 0 and r["decode_memory_s"] > 0
+    assert "tiny" in capsys.readouterr().out
+
+
+def test_floors_scale_with_the_workload(e2e_bench):
+    ceil = {"matmul_tflops": 100.0, "copy_gbps": 1000.0}
+    small = e2e_bench.floors(e2e_bench.QWEN2_05B, 512, 128, 128, ceil)
+    big = e2e_bench.floors(e2e_bench.QWEN2_05B, 1024, 128, 128, ceil)
+    assert big["compute_s"] == pytest.approx(2 * small["compute_s"])
+    # decode memory: weights once per step (shared), KV per sequence
+    assert small["decode_memory_s"] < big["decode_memory_s"] < 2 * small["decode_memory_s"]
