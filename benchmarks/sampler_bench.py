@@ -59,6 +59,10 @@ def _workload(name: str, row: int, vocab: int, rng: random.Random) -> dict:
     seed = derive_seed(0, row)
     if name == "greedy":
         return {"params": SamplingParams(temperature=0.0, seed=seed)}
+    if name == "greedy_sampled_logprob":
+        return {"params": SamplingParams(temperature=0.0, logprobs=0, seed=seed)}
+    if name == "top_p":
+        return {"params": SamplingParams(temperature=1.0, top_p=0.9, seed=seed)}
     if name == "greedy_logprobs":
         return {"params": SamplingParams(temperature=0.0, logprobs=20, seed=seed)}
     if name == "mixed":
@@ -80,7 +84,7 @@ def _workload(name: str, row: int, vocab: int, rng: random.Random) -> dict:
     raise ValueError(f"--workloads: unknown workload {name!r}")
 
 
-WORKLOADS = ("greedy", "greedy_logprobs", "mixed", "full")
+WORKLOADS = ("greedy", "greedy_sampled_logprob", "greedy_logprobs", "top_p", "mixed", "full")
 
 
 def _sync(device: torch.device) -> None:
@@ -133,13 +137,19 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS`` selects a launch config of the fused kernel (a tuning sweep)."""
+    """``triton@BLOCKxWARPS[xCAP][h|n][s|f]`` selects a launch config of the fused kernel (a
+    tuning sweep): h/n = histogram / per-lane bin counts, s/f = skip empty tiles or not."""
     if name.startswith("triton"):
         from sampler.kernels.pipeline import LaunchConfig, set_launch_config
 
         if "@" in name:
-            block, warps = (int(v) for v in name.split("@")[1].split("x"))
-            set_launch_config(LaunchConfig(block=block, num_warps=warps))
+            spec = name.split("@")[1]
+            flags = spec.lstrip("0123456789x")
+            nums = [int(v) for v in spec[: len(spec) - len(flags)].split("x") if v]
+            kw = dict(block=nums[0], num_warps=nums[1])
+            if len(nums) > 2:
+                kw["cap"] = nums[2]
+            set_launch_config(LaunchConfig(**kw, hist="n" not in flags, skip="f" not in flags))
         else:
             set_launch_config(None)
 

@@ -1,6 +1,11 @@
 """The fused sampling kernel: steps 2–12 and the raw-family logprobs of a batch, one program
 per row, without a ``[rows, vocab]`` float32 tensor.
 
+Tiles are 2-D ``[R, VEC]`` (VEC contiguous tokens per thread): per-tile statistics reduce
+along VEC inside a thread into ``[R]`` lane accumulators, and lanes are combined once per
+pass, so a pass has no per-tile barrier. Candidate lists are appended with atomics and read
+back after a barrier.
+
 Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes mostly hit L2):
 
 1. statistics: processed values (steps 2–6), greedy argmax (ties to the lowest id), the
@@ -26,9 +31,7 @@ import triton.language as tl
 
 from sampler.kernels.noise import _gumbel, _row_key, LANE0, LANE1
 from sampler.kernels.process import _processed
-from sampler.kernels.select import (
-    _bin_of, _choose_bin, _gather, _key_id, _key_value, _order_key, _sorted_cands,
-)
+from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _order_key
 
 
 @triton.jit
@@ -37,11 +40,11 @@ def _tile(
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
-    BLOCK: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
-    """One tile: (offsets, in-vocab mask, raw fp32, processed fp32 before temperature)."""
-    offs = start + tl.arange(0, BLOCK)
+    """One ``[R, VEC]`` tile: (offsets, in-vocab mask, raw fp32, processed fp32 before T)."""
+    offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     vmask = offs < V
     raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
     x = _processed(
@@ -63,6 +66,66 @@ def _mode_value(raw, mode, T, lse_r, lse_t):
 
 
 @triton.jit
+def _online_lse(v, m, acc):
+    """One tile into per-lane online log-sum-exp accumulators (m, acc) of shape [R]."""
+    nm = tl.maximum(m, tl.max(v, 1))
+    live = nm > float("-inf")
+    safe = tl.where(live, nm, 0.0)
+    acc = tl.where(live, acc * tl.exp(m - safe) + tl.sum(tl.exp(v - safe[:, None]), 1), acc)
+    return nm, acc
+
+
+@triton.jit
+def _lse(m, acc):
+    """Combines per-lane (m, acc) into log-sum-exp."""
+    mm = tl.max(m, 0)
+    total = tl.sum(tl.where(m > float("-inf"), acc * tl.exp(m - mm), 0.0), 0)
+    return mm + tl.log(total)
+
+
+@triton.jit
+def _best(acc_v, acc_i):
+    """Lane (value, index) accumulators -> the maximum and its lowest index (0 if none)."""
+    best = tl.max(acc_v, 0)
+    idx = tl.min(tl.where(acc_v == best, acc_i, 2147483647), 0)
+    return best, tl.where(best > float("-inf"), idx, 0)
+
+
+@triton.jit
+def _count_bins(b, jj, NP: tl.constexpr, HIST: tl.constexpr, R: tl.constexpr,
+                VEC: tl.constexpr):
+    """Per-tile bin counts ``[NP]`` of the int bins ``b`` ([R, VEC])."""
+    if HIST:
+        return tl.histogram(tl.reshape(b, [R * VEC]), NP)
+    else:
+        acc = tl.zeros([R, NP], dtype=tl.int32)
+        for j in tl.static_range(NP - 1):
+            acc += tl.where(jj[None, :] == j, tl.sum((b == j).to(tl.int32), 1)[:, None], 0)
+        return tl.sum(acc, 0)
+
+
+@triton.jit
+def _mass_bins(b, e, jj, NP: tl.constexpr, R: tl.constexpr):
+    acc = tl.zeros([R, NP], dtype=tl.float32)
+    for j in tl.static_range(NP - 1):
+        acc += tl.where(jj[None, :] == j, tl.sum(tl.where(b == j, e, 0.0), 1)[:, None], 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _append(cand, counter, sel, keys, CAP: tl.constexpr):
+    """Appends ``keys[sel]`` to a candidate list through an atomic counter (any order)."""
+    pos = tl.atomic_add(counter + tl.zeros_like(keys).to(tl.int32), 1, mask=sel)
+    tl.store(cand + pos, keys, mask=sel & (pos < CAP))
+
+
+@triton.jit
+def _read_cands(cand, n, CAP: tl.constexpr):
+    jj = tl.arange(0, CAP)
+    return tl.load(cand + jj, mask=jj < n, other=-9223372036854775807 - 1, cache_modifier=".cg")
+
+
+@triton.jit
 def _fused_sampler_kernel(
     logits_ptr, stride_row, V, W,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
@@ -71,15 +134,16 @@ def _fused_sampler_kernel(
     stop_ids_ptr, NSTOP,
     ban_ptr, NBAN,
     allowed_ptr,
-    cand_ptr,
+    cand_ptr, counter_ptr,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
-    ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+    ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
+    BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr,
 ):
+    R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
     slot = tl.load(idx_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
@@ -103,45 +167,40 @@ def _fused_sampler_kernel(
     raw_family = (mode == 0) | (mode == 1) | (mode == 4)
     lp_on = (nlp != -2) & raw_family & (nlp >= 0)
     NEG = float("-inf")
+    lane = tl.arange(0, R)
 
     # ---------------------------------------------------------------- pass 1: row statistics
-    m_s = NEG
-    best_v = NEG
-    best_i = 0
-    m_r = NEG
-    l_r = 0.0
-    m_t = NEG
-    l_t = 0.0
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+    acc_bv = tl.full([R], NEG, tl.float32)
+    acc_bi = tl.zeros([R], dtype=tl.int32)
+    acc_ms = tl.full([R], NEG, tl.float32)
+    acc_mr = tl.full([R], NEG, tl.float32)
+    acc_lr = tl.zeros([R], dtype=tl.float32)
+    acc_mt = tl.full([R], NEG, tl.float32)
+    acc_lt = tl.zeros([R], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
         offs, vmask, raw, x = _tile(
             base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
             row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
-            BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         if greedy | (not ANY_RANDOM):
-            tv = tl.max(x, 0)
-            if tv > best_v:
-                best_v = tv
-                best_i = start + tl.argmax(x, 0)
+            tv = tl.max(x, 1)
+            ti = start + lane * VEC + tl.argmax(x, 1)
+            upd = tv > acc_bv
+            acc_bv = tl.where(upd, tv, acc_bv)
+            acc_bi = tl.where(upd, ti, acc_bi)
         else:
-            s = tl.math.div_rn(x, T)
-            m_s = tl.maximum(m_s, tl.max(s, 0))
+            acc_ms = tl.maximum(acc_ms, tl.max(tl.math.div_rn(x, T), 1))
         if ANY_LP:
             if lp_on:
-                tm = tl.max(raw, 0)
-                nm = tl.maximum(m_r, tm)
-                if nm > NEG:
-                    l_r = l_r * tl.exp(m_r - nm) + tl.sum(tl.exp(raw - nm), 0)
-                m_r = nm
+                acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
                 if mode == 4:
-                    rt = tl.math.div_rn(raw, T)
-                    tmt = tl.max(rt, 0)
-                    nmt = tl.maximum(m_t, tmt)
-                    if nmt > NEG:
-                        l_t = l_t * tl.exp(m_t - nmt) + tl.sum(tl.exp(rt - nmt), 0)
-                    m_t = nmt
-    lse_r = m_r + tl.log(l_r)
-    lse_t = m_t + tl.log(l_t)
+                    acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
+    best_v, best_i = _best(acc_bv, acc_bi)
+    m_s = tl.max(acc_ms, 0)
+    m_r = tl.max(acc_mr, 0)
+    lse_r = _lse(acc_mr, acc_lr)
+    lse_t = _lse(acc_mt, acc_lt)
 
     # ---------------------------------------------------------------- selection state machines
     thr = m_s + log_min_p
@@ -155,6 +214,8 @@ def _fused_sampler_kernel(
     rk_on = False
     cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
     cand_r = cand_p + CAP
+    ctr_p = counter_ptr + row * 2
+    ctr_r = ctr_p + 1
     if ANY_SEL | ANY_RK:
         k_on = (top_k > 0) & (top_k < V)
         p_on = top_p < 1.0
@@ -183,40 +244,41 @@ def _fused_sampler_kernel(
             cnt_p = tl.zeros([NP], dtype=tl.int32)
             mss_p = tl.zeros([NP], dtype=tl.float32)
             cnt_r = tl.zeros([NP], dtype=tl.int32)
-            gp = 0
-            gr = 0
+            if (p_phase == 1) | (p_phase == 3):
+                tl.store(ctr_p, 0)
+            if r_phase == 1:
+                tl.store(ctr_r, 0)
+            tl.debug_barrier()
             for start in range(0, V, BLOCK):
                 offs, vmask, raw, x = _tile(
-                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
-                    pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-                    min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-                    BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                    freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+                    NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
                 if p_phase < 4:
                     s = tl.math.div_rn(x, T)
                     valid = (s >= p_floor) & (s > NEG)
                     d = m_s - s
                     if (p_phase == 0) | (p_phase == 2):
                         b = tl.where(valid, _bin_of(d, p_lo, p_w, p_hi, NP), NP - 1)
-                        cnt_p += tl.histogram(b, NP)
+                        cnt_p += _count_bins(b, jj, NP, HIST, R, VEC)
                         if ANY_MASS & p_mass:
-                            e = tl.exp(s - m_s)
-                            for jb in tl.static_range(NP - 1):
-                                part = tl.sum(tl.where(b == jb, e, 0.0), 0)
-                                mss_p += tl.where(jj == jb, part, 0.0)
+                            mss_p += _mass_bins(b, tl.exp(s - m_s), jj, NP, R)
                     else:
                         sel = valid & (d < p_hi) & (p_all | (d >= p_lo))
-                        gp = _gather(cand_p, gp, sel, _order_key(s, offs), CAP, BLOCK)
+                        _append(cand_p, ctr_p, sel, _order_key(s, offs), CAP)
                 if ANY_LP:
                     if r_phase < 2:
                         valid_r = raw > NEG
                         d_r = m_r - raw
                         if r_phase == 0:
                             br = tl.where(valid_r, _bin_of(d_r, r_lo, r_w, r_hi, NP), NP - 1)
-                            cnt_r += tl.histogram(br, NP)
+                            cnt_r += _count_bins(br, jj, NP, HIST, R, VEC)
                         else:
                             sel_r = valid_r & (d_r < r_hi)
                             mv = _mode_value(raw, mode, T, lse_r, lse_t)
-                            gr = _gather(cand_r, gr, sel_r, _order_key(mv, offs), CAP, BLOCK)
+                            _append(cand_r, ctr_r, sel_r, _order_key(mv, offs), CAP)
+            tl.debug_barrier()
             # ---- P update
             if (p_phase == 0) | (p_phase == 2):
                 if p_mass & p_fresh:
@@ -255,8 +317,9 @@ def _fused_sampler_kernel(
                         else:
                             p_w = (p_hi - p_lo) / (NP - 1)
             elif (p_phase == 1) | (p_phase == 3):
-                p_n = tl.minimum(gp, CAP)
-                keys = _sorted_cands(cand_p, p_n, CAP)
+                p_n = tl.minimum(tl.atomic_add(ctr_p, 0), CAP)
+                keys = tl.sort(_read_cands(cand_p, p_n, CAP), 0, descending=True)
+                tl.debug_barrier()
                 tl.store(cand_p + tl.arange(0, CAP), keys)
                 vals = _key_value(keys)
                 ii = tl.arange(0, CAP)
@@ -290,7 +353,7 @@ def _fused_sampler_kernel(
                         p_phase = 4
                 else:
                     e = tl.where(inlist, tl.exp(vals - m_s), 0.0)
-                    c = tl.where(p_all, 0.0, p_mlo) + tl.cumsum(e, 0)  # mass through candidate i
+                    c = tl.where(p_all, 0.0, p_mlo) + tl.cumsum(e, 0)  # mass through i
                     excl = c - e
                     limit = top_p * p_Z
                     ok = inlist & (excl < limit)
@@ -317,47 +380,53 @@ def _fused_sampler_kernel(
                         else:
                             r_w = (r_hi - r_lo) / (NP - 1)
                 elif r_phase == 1:
-                    r_n = tl.minimum(gr, CAP)
-                    keys = _sorted_cands(cand_r, r_n, CAP)
+                    r_n = tl.minimum(tl.atomic_add(ctr_r, 0), CAP)
+                    keys = tl.sort(_read_cands(cand_r, r_n, CAP), 0, descending=True)
+                    tl.debug_barrier()
                     tl.store(cand_r + tl.arange(0, CAP), keys)
                     r_phase = 2
-
+            tl.debug_barrier()
 
     # ---------------------------------------------------------------- sampling
     tok = best_i
     v_star = NEG
     if ANY_RANDOM:
-      if not greedy:
-        v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
-        k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
-        k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-        if sel_on & from_cands:
-            ii = tl.arange(0, CAP)
-            keys = tl.load(cand_p + ii)
-            vals = _key_value(keys)
-            ids = _key_id(keys)
-            kept = (ii < p_n) & (vals >= v_star)
-            score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
-            best = tl.max(score, 0)
-            tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
-            tok = tl.where(best > NEG, tok, 0)
-        else:
-            best = NEG
-            tok = 0
-            for start in range(0, V, BLOCK):
-                offs, vmask, raw, x = _tile(
-                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
-                    freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-                    NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-                    BLOCK, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-                s = tl.math.div_rn(x, T)
-                kept = (s >= v_star) & (s > NEG)
-                if tl.max(kept.to(tl.int32), 0) > 0:
-                    score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
-                    tb = tl.max(score, 0)
-                    if tb > best:
-                        best = tb
-                        tok = start + tl.argmax(score, 0)
+        if not greedy:
+            v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
+            k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+            k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+            if sel_on & from_cands:
+                ii = tl.arange(0, CAP)
+                keys = tl.load(cand_p + ii, cache_modifier=".cg")
+                vals = _key_value(keys)
+                ids = _key_id(keys)
+                kept = (ii < p_n) & (vals >= v_star)
+                score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
+                best = tl.max(score, 0)
+                tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
+                tok = tl.where(best > NEG, tok, 0)
+            else:
+                acc_sv = tl.full([R], NEG, tl.float32)
+                acc_si = tl.zeros([R], dtype=tl.int32)
+                for start in range(0, V, BLOCK):
+                    offs, vmask, raw, x = _tile(
+                        base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                        freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+                        NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+                        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                    s = tl.math.div_rn(x, T)
+                    kept = (s >= v_star) & (s > NEG)
+                    go = True
+                    if SKIP:
+                        go = tl.max(tl.max(kept.to(tl.int32), 1), 0) > 0
+                    if go:
+                        score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
+                        tv = tl.max(score, 1)
+                        ti = start + lane * VEC + tl.argmax(score, 1)
+                        upd = tv > acc_sv
+                        acc_sv = tl.where(upd, tv, acc_sv)
+                        acc_si = tl.where(upd, ti, acc_si)
+                best, tok = _best(acc_sv, acc_si)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 
@@ -372,24 +441,24 @@ def _fused_sampler_kernel(
             if raw_tok < m_r:
                 if rk_on & ((m_r - raw_tok) < r_hi):
                     ii = tl.arange(0, CAP)
-                    keys = tl.load(cand_r + ii)
+                    keys = tl.load(cand_r + ii, cache_modifier=".cg")
                     vals = _key_value(keys)
                     rank = 1 + tl.sum(((ii < r_n) & (vals > v_tok)).to(tl.int32), 0)
                 else:
-                    cntg = 0
+                    acc_c = tl.zeros([R], dtype=tl.int32)
                     for start in range(0, V, BLOCK):
-                        offs = start + tl.arange(0, BLOCK)
+                        offs = start + lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
                         raw = tl.load(base + offs, mask=offs < V, other=NEG).to(tl.float32)
                         mv = _mode_value(raw, mode, T, lse_r, lse_t)
-                        cntg += tl.sum((mv > v_tok).to(tl.int32), 0)
-                    rank = 1 + cntg
+                        acc_c += tl.sum((mv > v_tok).to(tl.int32), 1)
+                    rank = 1 + tl.sum(acc_c, 0)
         tl.store(lp_ptr + row, v_tok)
         tl.store(rank_ptr + row, rank.to(tl.int64))
         ii = tl.arange(0, CAP)
         ids_out = tl.full([CAP], -1, tl.int64)
         vals_out = tl.full([CAP], NEG, tl.float32)
         if rk_on:
-            keys = tl.load(cand_r + ii)
+            keys = tl.load(cand_r + ii, cache_modifier=".cg")
             have = (ii < r_n) & (ii < nlp)
             ids_out = tl.where(have, _key_id(keys).to(tl.int64), -1)
             vals_out = tl.where(have, _key_value(keys), NEG)

@@ -35,8 +35,10 @@ class LaunchConfig:
 
     block: int = 4096
     num_warps: int = 16
-    num_stages: int = 1
-    cap: int = MAX_CAP
+    cap: int = 256
+    vec: int = 8
+    hist: bool = True  # bin counts through tl.histogram (else per-lane sums)
+    skip: bool = True  # the full sampling pass skips tiles with nothing kept
 
 
 _config_override: LaunchConfig | None = None
@@ -52,8 +54,8 @@ def launch_config(vocab: int) -> LaunchConfig:
     if _config_override is not None:
         return _config_override
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every op in Python
-        return LaunchConfig(block=min(4096, triton.next_power_of_2(vocab)), num_warps=4,
-                            cap=64)
+        return LaunchConfig(block=min(4096, max(64, triton.next_power_of_2(vocab))),
+                            num_warps=4, cap=64)
     return LaunchConfig()
 
 
@@ -178,6 +180,7 @@ def run_pipeline_triton(
     topk_vals = torch.empty(rows, kout, dtype=torch.float32, device=dev)
     cfg = launch_config(vocab)
     cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
+    counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
     thr = thresholds if thresholds is not None else torch.empty(rows, dtype=torch.float32,
                                                                  device=dev)
     if rows == 0:
@@ -188,12 +191,13 @@ def run_pipeline_triton(
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
         state.iparams.stride(0), state.positions,
         t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
-        t.bans, t.nban, t.allowed, cand, tok, lp, rank, topk_ids, topk_vals, kout, thr,
+        t.bans, t.nban, t.allowed, cand, counters, tok, lp, rank, topk_ids, topk_vals, kout,
+        thr,
         HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
         HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
         ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random,
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
-        NUM_STAGES=cfg.num_stages, BLOCK=cfg.block, NP=NUM_BINS, CAP=cfg.cap,
+        HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, num_warps=cfg.num_warps,
     )
     if not plan.any_logprobs:

@@ -50,14 +50,14 @@ def _processed(
         if row_pen:
             words = tl.load(pbits_ptr + slot * W + offs // 32, mask=vmask, other=0)
             touched = ((words >> (offs % 32)) & 1) != 0
-            if tl.max(touched.to(tl.int32), axis=0) > 0:
-                inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
-                cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
-                seen_out = cnt > 0
-                pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
-                x = tl.where(inp | seen_out, pen, x)
-                x = x - freq * cnt.to(tl.float32)
-                x = x - pres * seen_out.to(tl.float32)
+            # masked loads: only the touched tokens' table entries are read
+            inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
+            cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
+            seen_out = cnt > 0
+            pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+            x = tl.where(inp | seen_out, pen, x)
+            x = x - freq * cnt.to(tl.float32)
+            x = x - pres * seen_out.to(tl.float32)
     return x
 
 

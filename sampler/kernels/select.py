@@ -66,19 +66,3 @@ def _choose_bin(cnt, mss, n_lo, mass_lo, target_n, target_m, use_mass, NP: tl.co
     m_before = mass_lo + tl.sum(tl.where(jj < j, mss, 0.0), 0)
     nb = tl.sum(tl.where(jj == j, cnt, 0), 0)
     return j, n_before, m_before, nb, reached
-
-
-@triton.jit
-def _gather(cand, n, sel, keys, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Appends keys[sel] to the scratch list ``cand`` holding n entries; returns the new n."""
-    c = tl.cumsum(sel.to(tl.int32), 0)
-    pos = n + c - 1
-    tl.store(cand + pos, keys, mask=sel & (pos < CAP))
-    return n + tl.sum(sel.to(tl.int32), 0)
-
-
-@triton.jit
-def _sorted_cands(cand, n, CAP: tl.constexpr):
-    jj = tl.arange(0, CAP)
-    keys = tl.load(cand + jj, mask=jj < n, other=-9223372036854775807 - 1)
-    return tl.sort(keys, 0, descending=True)

@@ -21,11 +21,28 @@ pytestmark = [
 DEV = torch.device("cuda")
 
 
+def _top_p_ambiguous(stats: torch.Tensor, survivors: torch.Tensor, top_p: float,
+                     tokens: torch.Tensor) -> bool:
+    """Whether every token in ``tokens`` sits at the top-p boundary within float32 rounding of
+    the cumulative mass: |mass strictly above it / total - p| < 1e-4 (float64 reference)."""
+    vals = stats[survivors].double()
+    probs = torch.exp(vals - vals.max())
+    probs /= probs.sum()
+    for t in tokens.tolist():
+        above = probs[vals > stats[t].double()].sum().item()
+        if abs(above - top_p) >= 1e-4:
+            return False
+    return True
+
+
 def test_triton_kept_sets_and_tokens_equal_torch_on_200_batches():
+    """Kept sets equal the torch oracle's; where they differ it is only a top-p boundary token
+    whose strictly-greater mass is within float32 rounding of p (sums in another order)."""
     from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.state import TOP_P
 
     rng = np.random.default_rng(0)
-    token_mismatch = 0
+    token_mismatch = exact_rows = boundary_rows = 0
     for b in range(200):
         rows = int(rng.integers(1, 64))
         vocab = int(rng.choice([1000, 32000, 151936]))
@@ -38,24 +55,38 @@ def test_triton_kept_sets_and_tokens_equal_torch_on_200_batches():
         idx = torch.as_tensor(slots, dtype=torch.int64, device=DEV)
         processed = logits.float()
         ref = run_pipeline(processed, idx, state, plan, inplace=True)
-        stats = logits.float()
-        no_filters = plan.__class__(**{**{f: getattr(plan, f) for f in plan.__slots__},
-                                       "do_min_p": False, "do_top_k": False,
-                                       "do_top_p": False, "modes": frozenset(),
-                                       "max_num_logprobs": 0})
-        run_pipeline(stats, idx, state, no_filters, inplace=True)
+
+        def partial(**off):
+            x = logits.float()
+            sub = plan.__class__(**{**{f: getattr(plan, f) for f in plan.__slots__}, **off,
+                                    "modes": frozenset(), "max_num_logprobs": 0})
+            run_pipeline(x, idx, state, sub, inplace=True)
+            return x
+        stats = partial(do_min_p=False, do_top_k=False, do_top_p=False)
+        no_top_p = partial(do_top_p=False)
         thresholds = torch.empty(rows, device=DEV)
         out = run_pipeline_triton(logits, idx, state, plan, inplace=False,
                                   thresholds=thresholds)
         random = ~state.is_greedy[idx]
         kept_ref = torch.isfinite(processed) & random[:, None]
         kept_tri = torch.isfinite(stats) & (stats >= thresholds[:, None]) & random[:, None]
-        assert torch.equal(kept_ref, kept_tri), f"batch {b}: kept sets differ"
+        for r in torch.nonzero((kept_ref != kept_tri).any(dim=1)).flatten().tolist():
+            diff = torch.nonzero(kept_ref[r] != kept_tri[r]).flatten()
+            p = float(state.fparams[idx[r], TOP_P])
+            ok = p < 1.0 and _top_p_ambiguous(stats[r], torch.isfinite(no_top_p[r]), p, diff)
+            assert ok, (f"batch {b} row {r} (vocab {vocab}, slot {int(idx[r])}): kept "
+                        f"{int(kept_ref[r].sum())} (torch) vs {int(kept_tri[r].sum())} "
+                        f"(triton), threshold {float(thresholds[r])}, {len(diff)} tokens differ")
+            boundary_rows += 1
+        exact_rows += int(random.sum()) - boundary_rows
         token_mismatch += int((ref.token_ids != out.token_ids).sum())
         if ref.ranks is not None:
             asked = ref.ranks > 0
             torch.testing.assert_close(out.logprobs[asked], ref.logprobs[asked],
                                        rtol=1e-5, atol=1e-5)
+    print(f"random rows with identical kept sets: {exact_rows}; top-p boundary ties: "
+          f"{boundary_rows}; tokens differing from torch: {token_mismatch}")
+    assert boundary_rows <= 0.01 * max(exact_rows, 1)
     # noise differs from torch's only in the last bits of log/log1p: near-ties at most
     assert token_mismatch <= 2, f"{token_mismatch} tokens differ from the torch backend"
 

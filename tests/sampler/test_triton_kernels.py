@@ -274,3 +274,21 @@ def test_sliced_vocab_and_bf16():
     out = run_pipeline_triton(logits, idx, state, plan, inplace=False)
     assert_same(ref, out)
     assert torch.equal(logits, before)  # the raw snapshot stays pristine
+
+
+@pytest.mark.parametrize("hist,skip", [(False, False)])
+def test_kernel_variants_agree(hist, skip):
+    """The per-lane bin counting and the no-skip sampling pass give the same results."""
+    from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
+
+    base = launch_config(1000)
+    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
+                                   hist=hist, skip=skip))
+    try:
+        rows, vocab = 7, 1000
+        sampler, slots = make_batch(77, rows, vocab)
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        ref, out, _, _ = both_backends(sampler, slots, logits * 2)
+        assert_same(ref, out)
+    finally:
+        set_launch_config(None)
