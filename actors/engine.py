@@ -68,6 +68,20 @@ class Engine:
         with self._inbox_lock:
             self._inbox.append(("add", request_id, prompt, params))
 
+    def add_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
+                     fresh_prefix_cache: bool = False) -> None:
+        """Queues ``[(request_id, prompt, params)]`` in one go (thread-safe): the next
+        ``step()`` admits all of them, so no step ever sees part of the batch.
+        ``fresh_prefix_cache`` first forgets the prefix cache (waiting for a running step);
+        called while no request is unfinished, it makes the batch's schedule, and so its
+        results, depend on the batch alone and not on what ran before it."""
+        items = [("add", rid, prompt, params) for rid, prompt, params in requests]
+        if fresh_prefix_cache:
+            with self._step_lock:
+                self.scheduler.bm.reset_prefix_cache()
+        with self._inbox_lock:
+            self._inbox.extend(items)
+
     def abort_request(self, request_id: Any) -> None:
         """Stops a request; its samples come back from ``step()`` with finish_reason "abort"
         (thread-safe; unknown or finished ids are ignored)."""
