@@ -15,15 +15,15 @@ def test_sampler_bench_runs_on_cpu(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "sampler_bench.py"), "--device", "cpu",
          "--batch-sizes", "1,3", "--vocab-sizes", "97", "--iters", "2", "--warmup", "1",
-         "--backends", "torch,triton", "--threads", "1", "--json", str(out)],
+         "--backends", "torch", "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )
     data = json.loads(out.read_text())
     records = [r for r in data["records"] if r["backend"] == "torch"]
+    workloads = ("greedy", "greedy_sampled_logprob", "greedy_logprobs", "top_p", "mixed", "full")
     assert {(r["workload"], r["batch"]) for r in records} == {
-        (w, b) for w in ("greedy", "greedy_logprobs", "mixed", "full") for b in (1, 3)}
+        (w, b) for w in workloads for b in (1, 3)}
     assert all(r["median_ms"] > 0 and r["iters"] == 2 and r["vocab"] == 97 for r in records)
-    assert all("skipped" in r for r in data["records"] if r["backend"] == "triton")
     assert data["meta"]["device"] == "cpu"
     for workload in ("greedy_logprobs", "full"):
         assert workload in run.stdout
