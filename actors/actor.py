@@ -59,8 +59,12 @@ class GenerationActor:
     def process_shard(self, task: Any) -> Any:
         """Runs one job shard (``actors.shard.ShardTask``) through this actor's engine, writes
         its part file and returns the ``ShardResult``. Several calls may run at once (a Ray
-        actor with ``max_concurrency`` > 1): they share one background engine loop."""
+        actor with ``max_concurrency`` > 1): they share one background engine loop, which
+        runs a ``task.deterministic`` shard alone (``actors.serving``)."""
+        from functools import partial
+
         from actors.serving import server_for
         from actors.shard import process_shard
 
-        return process_shard(task, server_for(self, self.engine).run)
+        server = server_for(self, self.engine)
+        return process_shard(task, partial(server.run, exclusive=task.deterministic))

@@ -1,10 +1,16 @@
-"""A background engine loop, so several shards share one engine at once.
+"""A background engine loop that the shards of one actor hand their requests to.
 
 An actor runs ``process_shard`` calls on a few threads (Ray ``max_concurrency``). Each call
 hands its requests to the one :class:`EngineServer` of the actor and blocks until they are all
-finished, while the loop thread alone drives the engine: it admits new requests between steps,
-so the next shard's requests join the running batch while the previous shard still finishes
-its long tail, and the engine stays full across shard boundaries.
+finished, while the loop thread alone drives the engine. A call's requests are queued in one
+go (``Engine.add_requests``), so a step sees all of them or none. Two ways to share:
+
+- shared (``exclusive=False``): new requests join the running batch between steps, so the
+  next shard fills the engine while the previous one finishes its long tail; which requests
+  share a step then depends on timing, and float results (logprobs) on batch composition.
+- exclusive (``exclusive=True``, the job default): a call waits until the engine is idle,
+  its requests are admitted together on a fresh prefix cache, and nothing else is admitted
+  until they are done, so the schedule, and every output bit, depend only on the requests.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ class EngineFailure(RuntimeError):
 class _Batch:
     """The requests of one caller and the outputs gathered for them so far."""
 
-    def __init__(self, requests: Sequence[tuple[str, Any, Any]]) -> None:
+    def __init__(self, requests: Sequence[tuple[str, Any, Any]], exclusive: bool) -> None:
+        self.requests = requests
+        self.exclusive = exclusive
         self.expected = {rid: int(getattr(params, "n", 1) or 1) for rid, _, params in requests}
         self.received: dict[str, int] = dict.fromkeys(self.expected, 0)
         self.outputs: list[Any] = []
@@ -44,7 +52,7 @@ class _Batch:
 
 
 class EngineServer:
-    """Owns an engine (``add_request`` / ``step`` / ``has_unfinished_requests``) and a thread
+    """Owns an engine (``add_requests`` / ``step`` / ``has_unfinished_requests``) and a thread
     that steps it whenever requests are pending.
 
     Example:
@@ -55,37 +63,55 @@ class EngineServer:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._cond = threading.Condition()
-        self._incoming: list[tuple[_Batch, Sequence[tuple[str, Any, Any]]]] = []
+        self._incoming: list[_Batch] = []
         self._owner: dict[str, _Batch] = {}
+        self._exclusive: _Batch | None = None  # the admitted exclusive batch, until it is done
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def run(self, requests: Sequence[tuple[str, Any, Any]]) -> list[Any]:
+    def run(self, requests: Sequence[tuple[str, Any, Any]], *,
+            exclusive: bool = False) -> list[Any]:
         """Adds ``requests`` (request_id, prompt, params) and blocks until every sample of each
-        has finished. Returns their outputs in finishing order."""
-        batch = _Batch(requests)
+        has finished. Returns their outputs in finishing order. ``exclusive``: run them alone
+        on an idle engine with a fresh prefix cache (see the module docstring)."""
+        batch = _Batch(requests, exclusive)
         if not batch.expected:
             return []
         with self._cond:
             if self._broken is not None:
                 raise EngineFailure(f"engine failed earlier: {self._broken!r}")
-            self._incoming.append((batch, requests))
+            self._incoming.append(batch)
             self._cond.notify()
         batch.done.wait()
         if batch.failure is not None:
             raise EngineFailure(f"engine step failed: {batch.failure!r}") from batch.failure
         return batch.outputs
 
+    def _admissible(self) -> list[_Batch]:
+        """Pops the incoming batches that may join now, in arrival order (with the lock)."""
+        taken: list[_Batch] = []
+        while self._incoming and self._exclusive is None:
+            head = self._incoming[0]
+            if head.exclusive and (taken or self._owner
+                                   or self._engine.has_unfinished_requests()):
+                break  # waits for an idle engine; the loop steps the others until then
+            taken.append(self._incoming.pop(0))
+            if head.exclusive:
+                self._exclusive = head
+        return taken
+
     def _admit(self) -> None:
         with self._cond:
-            while not self._incoming and not self._engine.has_unfinished_requests():
+            while True:
+                taken = self._admissible()
+                if taken or self._engine.has_unfinished_requests():
+                    break
                 self._cond.wait()
-            incoming, self._incoming = self._incoming, []
-        for batch, requests in incoming:
-            for rid, prompt, params in requests:
+        for batch in taken:
+            for rid in batch.expected:
                 self._owner[rid] = batch
-                self._engine.add_request(rid, prompt, params)
+            self._engine.add_requests(batch.requests, fresh_prefix_cache=batch.exclusive)
 
     def _loop(self) -> None:
         while True:
@@ -106,30 +132,30 @@ class EngineServer:
                 touched.add(batch)
             for batch in touched:
                 if batch.complete():
-                    for rid in batch.expected:
-                        self._owner.pop(rid, None)
-                    batch.done.set()
+                    self._release(batch)
             if not self._engine.has_unfinished_requests():
                 self._release_stuck()
 
+    def _release(self, batch: _Batch) -> None:
+        for rid in batch.expected:
+            self._owner.pop(rid, None)
+        if self._exclusive is batch:
+            with self._cond:
+                self._exclusive = None
+        batch.done.set()
+
     def _release_stuck(self) -> None:
         """Batches still waiting while the engine is empty would wait forever: fail them."""
-        with self._cond:
-            if self._incoming:
-                return
         stuck = {id(b): b for b in self._owner.values()}
         for batch in stuck.values():
             missing = [r for r, n in batch.expected.items() if batch.received[r] < n]
             batch.failure = RuntimeError(f"engine finished without outputs for {missing[:5]}")
-            for rid in batch.expected:
-                self._owner.pop(rid, None)
-            batch.done.set()
+            self._release(batch)
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             self._broken = exc
-            pending = [b for b, _ in self._incoming]
-            self._incoming = []
+            pending, self._incoming = self._incoming, []
         for batch in {id(b): b for b in [*self._owner.values(), *pending]}.values():
             batch.failure = exc
             batch.done.set()

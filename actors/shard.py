@@ -46,6 +46,7 @@ class ShardTask:
     output_dir: str
     schema: pa.Schema
     id_offset: int | None = None  # global index of the file's first row, when ids are generated
+    deterministic: bool = True  # run alone on an idle engine: rows depend on the shard only
 
     @property
     def part_name(self) -> str:

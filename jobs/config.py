@@ -19,7 +19,8 @@ from sampler.params import SamplingParams
 
 _SEED_MAX = 2**63 - 1
 # Fields whose change would change the output rows: a manifest written under other values of
-# these is refused. The rest (actors, GPUs, attempts, address) only change how the job runs;
+# these is refused. The rest (actors, GPUs, attempts, address, deterministic) only change how
+# the job runs (deterministic: whether floats reproduce to the bit or up to rounding);
 # the input is compared through its resolved file list (the shard plan), not its spelling.
 OUTPUT_FIELDS = (
     "model", "id_column", "prompt_column", "messages_column", "token_ids_column",
@@ -62,6 +63,15 @@ class JobConfig:
             new local Ray on 127.0.0.1; ``"local"`` = always that local Ray.
         engine: ``actors.engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
         trust_remote_code: passed to transformers; off unless set.
+        deterministic: True (default): each actor runs one shard at a time on its engine,
+            all of the shard's requests admitted together on a fresh prefix cache, so a
+            shard's rows depend only on its rows and the model (and the hardware and library
+            versions): a rerun or a retried shard reproduces every bit, logprobs included.
+            False: the next shard's requests join the engine while the previous shard
+            drains (fuller engine at shard boundaries, better throughput); which requests
+            share a step then depends on timing, so token ids, text and seeds still
+            reproduce but float values (logprobs) only up to float rounding, and rarely a
+            sampled token whose top two logits tie within that rounding.
 
     Example:
         >>> cfg = JobConfig(model="m", input="in.parquet", output="out", num_gpus_per_actor=0)
@@ -86,6 +96,7 @@ class JobConfig:
     ray_address: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         for name in ("model", "output"):
@@ -122,8 +133,9 @@ class JobConfig:
         if not isinstance(self.engine, Mapping):
             raise _fail("engine", "must be a mapping of EngineConfig field -> value", self.engine)
         self.engine = dict(self.engine)
-        if not isinstance(self.trust_remote_code, bool):
-            raise _fail("trust_remote_code", "must be true or false", self.trust_remote_code)
+        for name in ("trust_remote_code", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "must be true or false", getattr(self, name))
 
     @property
     def inputs(self) -> list[str]:

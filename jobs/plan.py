@@ -73,4 +73,5 @@ def make_task(shard: Shard, attempt: int, spec: InputSpec, config: JobConfig,
         output_dir=output.path,
         schema=spec.schema,
         id_offset=f.row_offset if spec.generated_ids else None,
+        deterministic=config.deterministic,
     )

@@ -48,6 +48,13 @@ class FakeEngine:
         self.active: dict[str, dict[str, Any]] = {}
         self.errors: list[GenerationOutput] = []
         self.requests_seen = 0
+        self.cache_resets = 0
+
+    def add_requests(self, requests: Any, *, fresh_prefix_cache: bool = False) -> None:
+        if fresh_prefix_cache:
+            self.cache_resets += 1
+        for request_id, prompt, params in requests:
+            self.add_request(request_id, prompt, params)
 
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         self.requests_seen += 1
@@ -111,7 +118,9 @@ class FakeActor:
         from actors.serving import server_for
         from actors.shard import process_shard
 
-        return process_shard(task, server_for(self, self.engine).run)
+        server = server_for(self, self.engine)
+        return process_shard(task, lambda requests: server.run(
+            requests, exclusive=task.deterministic))
 
 
 class BrokenActor(FakeActor):

@@ -78,6 +78,19 @@ def assert_same_rows(a: pa.Table, b: pa.Table, atol: float = 1e-4) -> None:
                         f"{y[bad[0]]!r}"
 
 
+def assert_identical(a: pa.Table, b: pa.Table) -> None:
+    """Equal schemas and every value identical, floats to the last bit (deterministic jobs)."""
+    assert a.schema.equals(b.schema), (a.schema, b.schema)
+    assert a.num_rows == b.num_rows, (a.num_rows, b.num_rows)
+    for name in a.column_names:
+        x, y = a.column(name), b.column(name)
+        if not x.equals(y):
+            xs, ys = x.to_pylist(), y.to_pylist()
+            bad = [i for i in range(len(xs)) if xs[i] != ys[i]]
+            where = f"e.g. row {bad[0]}: {xs[bad[0]]!r} vs {ys[bad[0]]!r}" if bad else ""
+            raise AssertionError(f"column {name!r} differs in {len(bad)} rows, {where}")
+
+
 def process_tree(root_pid: int) -> set[int]:
     """``root_pid`` and all its descendants (from /proc)."""
     parents: dict[int, int] = {}

@@ -24,7 +24,7 @@ from jobs.runner import run_job
 from sampler import derive_seed
 from tests.jobs.acceptance_data import (DEFAULTS, ENGINE, acceptance_rows, malformed_rows,
                                         table_of, write_acceptance_input)
-from tests.jobs.helpers import assert_same_rows, part_stats, read_output
+from tests.jobs.helpers import assert_identical, assert_same_rows, part_stats, read_output
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -114,21 +114,24 @@ def test_output_loads_everywhere(job_a):
 
 @pytest.fixture(scope="module")
 def job_b(job_a):
-    """The same job again, into another directory, on one actor instead of two."""
+    """The same job again, into another directory, on one actor instead of two (so every
+    shard runs on another engine, after other shards than in job_a)."""
     out_b = job_a["root"] / "out-b"
     run_job(_config(job_a["config"]["model"], job_a["root"] / "in", out_b, num_actors=1),
             progress=False)
     return read_output(out_b)
 
 
-def test_second_run_gives_the_same_rows(job_a, job_b):
-    assert_same_rows(job_b, job_a["table"])  # tokens, text, seeds... exact; logprobs ~1e-4
-
-
-@pytest.mark.xfail(strict=True, reason="the CPU engine is not batch-invariant: logprob values "
-                   "differ in the last float32 bits when batch composition changes")
 def test_second_run_is_bit_identical(job_a, job_b):
-    assert job_b.equals(job_a["table"])
+    # deterministic (the default): seeded and unseeded rows alike, floats to the last bit
+    assert job_b.schema.equals(job_a["table"].schema)
+    for name in job_b.column_names:
+        assert job_b.column(name).equals(job_a["table"].column(name)), name
+    parts_a = sorted((job_a["root"] / "out-a").glob("part-*.parquet"))
+    parts_b = sorted((job_a["root"] / "out-b").glob("part-*.parquet"))
+    assert [p.name for p in parts_a] == [p.name for p in parts_b] and len(parts_a) == 13
+    for a, b in zip(parts_a, parts_b):
+        assert a.read_bytes() == b.read_bytes(), a.name
 
 
 def test_resume_after_killing_the_driver(job_a, ray_local):
@@ -162,7 +165,7 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
     for entry in committed.values():  # not recomputed: same inode, same mtime
         assert after[entry["part"]] == before[entry["part"]]
     assert len(after) == 13 and not [p for p in os.listdir(out_c) if p.startswith(".")]
-    assert_same_rows(read_output(out_c), job_a["table"])
+    assert_identical(read_output(out_c), job_a["table"])
 
 
 def test_malformed_rows_become_error_rows(job_a):
@@ -177,7 +180,10 @@ def test_malformed_rows_become_error_rows(job_a):
     assert len(mixed) == 220
     (root / "in-bad").mkdir()
     pq.write_table(table_of(mixed, "json"), root / "in-bad" / "mixed.parquet")
-    config = _config(job_a["config"]["model"], root / "in-bad", root / "out-bad")
+    # deterministic: false (today's overlap of shards on one engine) is exercised here: the
+    # good rows run in other shards than in job_a anyway, so they match up to float rounding
+    config = _config(job_a["config"]["model"], root / "in-bad", root / "out-bad",
+                     deterministic=False)
     result = run_job(config, progress=False)
     table = read_output(root / "out-bad")
     errors = table.filter(pa.compute.equal(table.column("finish_reason"), "error"))

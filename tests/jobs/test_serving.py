@@ -83,3 +83,59 @@ def test_lost_requests_fail_instead_of_hanging():
     server = EngineServer(_ForgetfulEngine())
     with pytest.raises(EngineFailure, match="engine finished without outputs"):
         server.run([("lost", "x", SamplingParams(seed=1))])
+
+
+def test_exclusive_callers_run_alone_on_an_idle_engine_in_arrival_order():
+    engine = _RecordingEngine()
+    server = EngineServer(engine)
+    results: dict[str, list] = {}
+    done_order: list[str] = []
+
+    def call(name, reqs, exclusive=True):
+        results[name] = server.run(reqs, exclusive=exclusive)
+        done_order.append(name)
+
+    first = threading.Thread(target=call, args=("first", _reqs("A", 3, 30)))
+    first.start()
+    while not engine.running:
+        time.sleep(0.001)
+    second = threading.Thread(target=call, args=("second", _reqs("B", 4, 2, n=2)))
+    second.start()
+    time.sleep(0.02)  # the second caller waits while the first one runs
+    shared = threading.Thread(target=call, args=("shared", _reqs("C", 2, 2), False))
+    shared.start()
+    for t in (first, second, shared):
+        t.join(timeout=30)
+    assert done_order == ["first", "second", "shared"]
+    assert max(engine.running) == 4  # never more than one caller's requests at once
+    assert sorted(o.id for o in results["second"]) == sorted(f"B{i}" for i in range(4)
+                                                           for _ in range(2))
+    assert engine.cache_resets == 2  # one fresh prefix cache per exclusive caller
+    # every step ran exactly one caller's requests: 3 for 30 steps, then 4 for 2, then 2
+    assert [n for n in engine.running if n] == [3] * 30 + [4] * 2 + [2] * 2
+
+
+class _LosesSomeEngine(FakeEngine):
+    """Drops the requests whose prompt is "lost" (the rest run normally)."""
+
+    def add_request(self, request_id, prompt, params):
+        if prompt != "lost":
+            super().add_request(request_id, prompt, params)
+
+
+def test_lost_requests_do_not_block_exclusive_callers():
+    server = EngineServer(_LosesSomeEngine())
+    errors: list[BaseException] = []
+
+    def stuck():
+        try:
+            server.run([("lost", "lost", SamplingParams(seed=1))], exclusive=True)
+        except EngineFailure as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    outs = server.run([("ok", "x", SamplingParams(max_tokens=3, seed=1))], exclusive=True)
+    t.join(timeout=30)
+    assert [o.finish_reason for o in outs] == ["length"]
+    assert len(errors) == 1 and "engine finished without outputs for ['lost']" in str(errors[0])
