@@ -181,7 +181,12 @@ class Engine:
                 scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
         if step.output is None:
             return
+        timer = self.executor.timer
+        if timer is not None:
+            timer.wait_begin()
         host = step.output.get()
+        if timer is not None:
+            timer.wait_end()
         tokens = host.token_ids.tolist()
         values = host.logprobs.tolist() if host.logprobs is not None else None
         ranks = host.ranks.tolist() if host.ranks is not None else None

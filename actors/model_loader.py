@@ -103,9 +103,17 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
 
     dtype = resolve_dtype(config.dtype)
     device = torch.device(config.device)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        model, dtype=dtype, attn_implementation=ATTENTION_NAME, **common
-    )
+    kwargs = dict(dtype=dtype, attn_implementation=ATTENTION_NAME, **common)
+    hf_model = None
+    if device.type == "cuda":  # weights straight onto the GPU (no full host copy)
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(model, device_map=str(device),
+                                                            **kwargs)
+        except (ImportError, TypeError, ValueError) as exc:
+            logger.info("loading with device_map=%s failed (%s); loading on the host", device,
+                        exc)
+    if hf_model is None:
+        hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)

@@ -32,6 +32,15 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
+        self.wait_s = 0.0          # host time spent waiting for sampled tokens
+        self._wait_start = 0.0
+        self._clock_start = time.perf_counter()
+
+    def wait_begin(self) -> None:
+        self._wait_start = time.perf_counter()
+
+    def wait_end(self) -> None:
+        self.wait_s += time.perf_counter() - self._wait_start
 
     def begin_step(self, num_tokens: int, num_seqs: int) -> None:
         self.steps.append(_Step(num_tokens, num_seqs, time.perf_counter()))
@@ -49,7 +58,8 @@ class StepTimer:
         """Decode-step figures over the pure-decode steps with at least ``min_batch`` rows:
         ``decode_steps``, ``ms_per_decode_step`` (start-to-start period), ``gpu_ms_per_step``
         (start to end), ``sampler_ms_per_step``, ``idle_fraction`` (gaps over the period),
-        ``host_launch_ms`` (host time inside ``launch``)."""
+        ``host_launch_ms`` (host time inside ``launch``), and over the whole timed run
+        ``host_busy_fraction`` (host time not spent waiting for sampled tokens)."""
         torch.cuda.synchronize()
         steps = [s for s in self.steps if "gpu_start" in s.events and "end" in s.events]
         pick = [i for i in range(len(steps) - 1)
@@ -75,4 +85,6 @@ class StepTimer:
             "sampler_ms_per_step": float(np.median(sample)) if sample else 0.0,
             "idle_fraction": float(np.sum(gap)) / total if total > 0 else 0.0,
             "host_launch_ms": float(np.median(host)),
+            "host_busy_fraction": 1.0 - self.wait_s / max(
+                1e-9, self.steps[-1].host_end - self._clock_start),
         }

@@ -169,15 +169,23 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         done += len(engine.step())
     elapsed = time.perf_counter() - t0
     assert done == n
-    info = engine.info()
     timing = {}
     if timer is not None:
         timing = {**timer.summary(), "num_steps": len(timer.steps),
                   **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()}}
+    engine.executor.timer = None
+    info = engine.info()
+    extra = {}
+    for top_p in args.extra_top_p:  # the same engine, other sampling settings
+        more = [p.replace(top_p=top_p) for p in params]
+        sync()
+        t1 = time.perf_counter()
+        engine.generate([(f"x{top_p}-{i}", prompts[i].tolist(), more[i]) for i in range(n)])
+        extra[str(top_p)] = n * out / (time.perf_counter() - t1)
     stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timing,
              "attention_backend": info["attention_backend"],
              "cuda_graphs": info["cuda_graphs"], "sampler_backend": engine.sampler.backend,
-             "num_kv_blocks": info["num_kv_blocks"]}
+             "num_kv_blocks": info["num_kv_blocks"], "output_tok_s_at_top_p": extra}
     del engine
     return stats
 
@@ -250,10 +258,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
-    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-batched-tokens", type=int, default=32768)
+    p.add_argument("--extra-top-p", default="", help="top-p values for extra engine runs "
+                   "(output tok/s only), e.g. 1.0 for temperature-only sampling")
     p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
     args = p.parse_args(argv)
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    args.extra_top_p = [float(v) for v in args.extra_top_p.split(",") if v]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ceil = measure_ceilings()
