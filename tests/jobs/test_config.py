@@ -17,6 +17,7 @@ def test_defaults_follow_the_design():
     assert (cfg.num_actors, cfg.num_gpus_per_actor, cfg.seed, cfg.max_shard_attempts) == (1, 1,
                                                                                           0, 3)
     assert cfg.ray_address is None and cfg.trust_remote_code is False
+    assert cfg.deterministic is True
     assert cfg.sampling_params == {} and cfg.engine == {} and cfg.inputs == ["in.parquet"]
 
 
@@ -42,6 +43,7 @@ def test_missing_required_key():
     ("model", "", r"config.model: must be a non-empty string"),
     ("engine", [1], r"config.engine: must be a mapping"),
     ("trust_remote_code", "yes", r"config.trust_remote_code: must be true or false"),
+    ("deterministic", 1, r"config.deterministic: must be true or false"),
     ("prompt_column", "id", r"config.prompt_column: must differ"),
     ("sampling_params", {"temperature": -1}, r"sampling_params.temperature: must be >= 0"),
     ("sampling_params", {"best_of": 2}, r"sampling_params.best_of"),
