@@ -142,6 +142,7 @@ def run_pipeline_triton(
     inplace: bool,
     precision: str = "fp32",
     thresholds: torch.Tensor | None = None,
+    scratch: dict | None = None,
 ) -> SamplerOutput:
     """Samples one token per row with the fused Triton kernel.
 
@@ -155,6 +156,8 @@ def run_pipeline_triton(
         precision: Gumbel noise precision; "fp64" runs the torch path.
         thresholds: optional ``[rows]`` float32 output: each random row's kept-set threshold
             (keep t iff processed logit / T >= threshold), for tests.
+        scratch: optional dict that receives the kernel's candidate lists and counters
+            (debugging aid).
 
     Returns:
         :class:`~sampler.output.SamplerOutput` on the device.
@@ -200,6 +203,8 @@ def run_pipeline_triton(
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, num_warps=cfg.num_warps,
     )
+    if scratch is not None:
+        scratch.update(cand=cand, counters=counters, cap=cfg.cap)
     if not plan.any_logprobs:
         return SamplerOutput(token_ids=tok)
     return SamplerOutput(tok, lp, rank, topk_ids if k else None, topk_vals if k else None)
