@@ -236,6 +236,10 @@ def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
         pq.write_table(part, temp, filesystem=task.output_fs)
         task.output_fs.move(temp, final)
     except OSError as exc:
+        try:  # a half-written temporary helps nobody (a rerun would remove it anyway)
+            task.output_fs.delete_file(temp)
+        except OSError:
+            pass
         raise PartWriteError(f"shard {task.shard_id}: cannot write {final}: {exc}") from exc
     errors = [o.error for o in outputs if getattr(o, "error", None) is not None]
     return ShardResult(

@@ -10,17 +10,39 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
+import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from jobs.storage import Location, read_bytes, write_atomic
 
+logger = logging.getLogger(__name__)
+
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
 VERSION = 1
+# Fault injection for the reliability tests (docs/reliability.md), off unless this variable
+# is set: "kill-driver@first-commit" / "kill-driver@final-manifest" make the driver SIGKILL
+# itself once the manifest recording the job's first commit / marking it finished is written
+# to its temporary file, before the rename.
+FAULTS_ENV = "RAYGEN_TEST_FAULTS"
+
+
+def _fault_point(name: str) -> Callable[[], None] | None:
+    """The kill for ``name`` when the tests asked for it, else None (nothing runs)."""
+    if f"kill-driver@{name}" not in os.environ.get(FAULTS_ENV, "").split(","):
+        return None
+
+    def kill() -> None:
+        logger.warning("%s: killing the driver at %s", FAULTS_ENV, name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def encode_schema(schema: pa.Schema) -> str:
@@ -114,18 +136,21 @@ class Manifest:
 
     def record(self, shard_id: int, entry: dict[str, Any]) -> None:
         """Records a committed shard and rewrites the manifest atomically."""
+        first = not self.committed
         self.committed[str(shard_id)] = entry
-        self.save()
+        self.save(_fault_point("first-commit") if first else None)
 
-    def save(self) -> None:
+    def save(self, before_rename: Callable[[], None] | None = None) -> None:
+        """Writes the manifest to a temporary file and renames it into place."""
         self.data["updated"] = time.time()
         text = json.dumps(self.data, sort_keys=True, separators=(",", ":"))
-        write_atomic(self.output.fs, self.output.join(MANIFEST), text.encode())
+        write_atomic(self.output.fs, self.output.join(MANIFEST), text.encode(), before_rename)
 
     def finish(self) -> None:
-        """Marks the job finished (``_SUCCESS``)."""
+        """Marks the job finished (``_SUCCESS``); removes temporaries left by dead actors."""
+        self.clean_temporaries()
         self.data["finished"] = time.time()
-        self.save()
+        self.save(_fault_point("final-manifest"))
         write_atomic(self.output.fs, self.output.join(SUCCESS), b"")
 
     def clean_temporaries(self) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import pyarrow.fs as pafs
 
@@ -133,12 +134,16 @@ def _select(loc: Location, base: str) -> list[pafs.FileInfo]:
         raise ValueError(f"input: cannot list {loc.spelled!r}: {exc}") from None
 
 
-def write_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
-    """Writes ``data`` to a hidden temporary file beside ``path`` and renames it into place."""
+def write_atomic(fs: pafs.FileSystem, path: str, data: bytes,
+                 before_rename: Callable[[], None] | None = None) -> None:
+    """Writes ``data`` to a hidden temporary file beside ``path`` and renames it into place
+    (``before_rename`` runs in between: a fault-injection point for tests)."""
     head, _, name = path.rpartition("/")
     tmp = f"{head}/.{name}.tmp"
     with fs.open_output_stream(tmp) as stream:
         stream.write(data)
+    if before_rename is not None:
+        before_rename()
     fs.move(tmp, path)
 
 

@@ -44,11 +44,12 @@ def _text(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
 
 
-def acceptance_rows() -> list[dict[str, Any]]:
-    """500 rows: id, a prompt of one of three kinds, params dict, a passthrough ``group``."""
+def acceptance_rows(count: int = 500) -> list[dict[str, Any]]:
+    """``count`` rows: id, a prompt of one of three kinds, params dict, a passthrough
+    ``group`` (the first 500 are the same whatever the count)."""
     rng = random.Random(0)
     rows = []
-    for i in range(500):
+    for i in range(count):
         kind = ("prompt", "messages", "prompt_token_ids")[i % 3]
         prompt = _text(rng)
         row: dict[str, Any] = {"id": f"r{i:03d}", "group": i % 10, "kind": kind}
@@ -83,6 +84,15 @@ def table_of(rows: list[dict[str, Any]], params_as: str) -> pa.Table:
     })
 
 
+def _json_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSONL records: params as JSON objects, absent keys left out."""
+    return [{k: v for k, v in {"id": r["id"], "prompt": r.get("prompt"),
+                               "messages": r.get("messages"),
+                               "prompt_token_ids": r.get("prompt_token_ids"),
+                               "sampling_params": r["params"] or None,
+                               "group": r["group"]}.items() if v is not None} for r in rows]
+
+
 def write_acceptance_input(root: Path, rows: list[dict[str, Any]] | None = None) -> Path:
     """a.parquet (params as a struct column), b.jsonl (params as JSON objects),
     c.parquet (params as JSON strings). Returns the input directory."""
@@ -90,12 +100,7 @@ def write_acceptance_input(root: Path, rows: list[dict[str, Any]] | None = None)
     root.mkdir(parents=True, exist_ok=True)
     a, b, c = rows[:200], rows[200:350], rows[350:]
     pq.write_table(table_of(a, "struct"), root / "a.parquet", row_group_size=64)
-    write_jsonl(root / "b.jsonl", [
-        {k: v for k, v in {"id": r["id"], "prompt": r.get("prompt"),
-                           "messages": r.get("messages"),
-                           "prompt_token_ids": r.get("prompt_token_ids"),
-                           "sampling_params": r["params"] or None, "group": r["group"]}.items()
-         if v is not None} for r in b])
+    write_jsonl(root / "b.jsonl", _json_rows(b))
     pq.write_table(table_of(c, "json"), root / "c.parquet")
     return root
 
@@ -129,3 +134,17 @@ def malformed_rows() -> list[dict[str, Any]]:
     rows.append({"id": "bad-19", "prompt": None, "prompt_token_ids": [5, 100000],
                  "params_json": "{}", "expect": "prompt: token ids must be in"})
     return rows
+
+
+RELIABILITY_ROWS = 2000
+RELIABILITY_ENGINE = {"max_num_seqs": 128, "max_model_len": 128, "num_kv_blocks": 512}
+
+
+def write_reliability_input(root: Path) -> Path:
+    """The 2,000-row input of the fault tests: a.parquet (1,200 rows, params as a struct
+    column, row groups of 100) and b.jsonl (800 rows). Returns the input directory."""
+    rows = acceptance_rows(RELIABILITY_ROWS)
+    root.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table_of(rows[:1200], "struct"), root / "a.parquet", row_group_size=100)
+    write_jsonl(root / "b.jsonl", _json_rows(rows[1200:]))
+    return root
