@@ -244,6 +244,7 @@ def _fused_sampler_kernel(
             cnt_p = tl.zeros([NP], dtype=tl.int32)
             mss_p = tl.zeros([NP], dtype=tl.float32)
             cnt_r = tl.zeros([NP], dtype=tl.int32)
+            acc_above = tl.full([R], float("inf"), tl.float32)  # min value above the bin
             if (p_phase == 1) | (p_phase == 3):
                 tl.store(ctr_p, 0)
             if r_phase == 1:
@@ -267,6 +268,8 @@ def _fused_sampler_kernel(
                     else:
                         sel = valid & (d < p_hi) & (p_all | (d >= p_lo))
                         _append(cand_p, ctr_p, sel, _order_key(s, offs), CAP)
+                        above = tl.where(valid & (d < p_lo), s, float("inf"))
+                        acc_above = tl.minimum(acc_above, tl.min(above, 1))
                 if ANY_LP:
                     if r_phase < 2:
                         valid_r = raw > NEG
@@ -359,7 +362,10 @@ def _fused_sampler_kernel(
                     ok = inlist & (excl < limit)
                     ok = ok | (inlist & (ii == 0) & (p_all | (p_nlo == 0)))
                     last = tl.max(tl.where(ok, ii, -1), 0)
-                    v_p = tl.sum(tl.where(ii == last, vals, 0.0), 0)
+                    # no boundary token is kept when the mass above the bin already reaches
+                    # p (float rounding at a bin edge): keep exactly the tokens above it
+                    v_p = tl.where(last >= 0, tl.sum(tl.where(ii == last, vals, 0.0), 0),
+                                   tl.min(acc_above, 0))
                     from_cands = p_all
                     p_phase = 4
             if ANY_LP:

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CAP = 1024  # longest candidate list (top-k / top-p boundary, top-k logprobs)
 NUM_BINS = 16
-MAX_PASSES = 10
+MAX_PASSES = 48  # bound on refinement passes; typical rows need 2-6
 FIRST_BIN_WIDTH = 0.5
 
 
