@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Any
 
 import ray.cloudpickle
@@ -121,6 +122,20 @@ class FakeActor:
         server = server_for(self, self.engine)
         return process_shard(task, lambda requests: server.run(
             requests, exclusive=task.deterministic))
+
+
+class SlowFakeEngine(FakeEngine):
+    """A FakeEngine whose steps take 20 ms, so a test can act in the middle of a job."""
+
+    def step(self) -> list[GenerationOutput]:
+        time.sleep(0.02)
+        return super().step()
+
+
+class SlowFakeActor(FakeActor):
+    def __init__(self, model: str, engine_config: Any = None) -> None:
+        super().__init__(model, engine_config)
+        self.engine = SlowFakeEngine()
 
 
 class BrokenActor(FakeActor):

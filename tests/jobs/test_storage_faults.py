@@ -1,0 +1,110 @@
+"""Output storage faults (issue 8): the output fills up or turns read-only in the middle of a
+job. The job ends with one clear ``output: ...`` error naming the errno, the manifest stays
+valid, and a rerun, once the storage is healthy again, resumes from it (committed shards
+skipped) and ends with the rows of a clean run.
+
+Each fault runs on a real tmpfs when this machine lets the test mount one, and always on the
+simulated storage of ``tests/jobs/faultfs.py`` (same faults through an fsspec filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from actors.serving import EngineServer
+from actors.shard import process_shard
+from jobs.config import JobConfig
+from jobs.inputs import discover
+from jobs.manifest import MANIFEST, SUCCESS
+from jobs.plan import make_task, plan_shards
+from jobs.runner import run_job
+from jobs.storage import resolve
+from tests.jobs.fakes import FakeActor, FakeEngine, SlowFakeActor
+from tests.jobs.faultfs import MESSAGES, SimulatedStorage, TmpfsStorage
+from tests.jobs.helpers import read_output, write_parquet
+
+pytestmark = pytest.mark.ray
+
+SHARDS = 20
+
+
+def _config(tiny_llama, input_dir, output) -> dict:
+    return {"model": tiny_llama, "input": str(input_dir), "output": output, "num_actors": 2,
+            "num_gpus_per_actor": 0, "rows_per_shard": 7,
+            "sampling_params": {"max_tokens": 6, "logprobs": 1}}
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_llama, tmp_path_factory):
+    """The input, and its clean output made in-process shard by shard (the fake engine's
+    rows depend only on the request)."""
+    root = tmp_path_factory.mktemp("storage-faults")
+    write_parquet(root / "in" / "a.parquet",
+                  [{"id": i, "prompt": f"prompt number {i}", "tag": f"t{i}"}
+                   for i in range(7 * SHARDS)])
+    config = JobConfig.from_dict(_config(tiny_llama, root / "in", str(root / "clean")))
+    spec, output = discover(config), resolve(config.output)
+    output.fs.create_dir(output.path)
+    for shard in plan_shards(spec, config.rows_per_shard):
+        process_shard(make_task(shard, 1, spec, config, output), EngineServer(FakeEngine()).run)
+    return root / "in", read_output(root / "clean")
+
+
+@pytest.fixture(params=["tmpfs", "simulated"])
+def storage(request, tmp_path):
+    if request.param == "tmpfs":
+        try:
+            store = TmpfsStorage(tmp_path)
+        except (PermissionError, OSError) as exc:
+            pytest.skip(f"no tmpfs here ({exc}); the simulated storage covers the same faults")
+    else:
+        store = SimulatedStorage(tmp_path)
+    yield store
+    store.close()
+
+
+def _fail_after_commits(store, mode: str, commits: int) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                done = len(json.loads((store.out_dir / MANIFEST).read_text())["committed"])
+            except (OSError, ValueError):
+                done = 0
+            if done >= commits:
+                store.fail(mode)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("mode", ["full", "readonly"])
+def test_storage_fault_mid_job_ends_clearly_and_rerun_resumes(ray_local, clean, storage,
+                                                             tiny_llama, mode):
+    input_dir, clean_table = clean
+    config = _config(tiny_llama, input_dir, storage.output)
+    watcher = _fail_after_commits(storage, mode, commits=2)
+    with pytest.raises(OSError) as failure:
+        run_job(config, actor_cls=SlowFakeActor, progress=False)
+    watcher.join(timeout=5)
+    message = str(failure.value)
+    assert re.match(r"output: (shard \d+: cannot write \S+part-\d{5}\.parquet|cannot update "
+                    r"the manifest in \S+): ", message), message
+    assert MESSAGES[mode] in message, message
+
+    storage.heal()
+    committed = json.loads((storage.out_dir / MANIFEST).read_text())["committed"]
+    assert 2 <= len(committed) < SHARDS and not (storage.out_dir / SUCCESS).exists()
+    result = run_job(config, actor_cls=FakeActor, progress=False)
+    assert result.shards_skipped == len(committed) and result.shards == SHARDS
+    assert (storage.out_dir / SUCCESS).exists()
+    assert not [p for p in storage.out_dir.iterdir() if p.name.startswith(".")]
+    assert read_output(storage.out_dir).equals(clean_table)
