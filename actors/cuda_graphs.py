@@ -60,12 +60,14 @@ class DecodeGraphs:
         self._plans: dict[int, object] = {}
         self._fallbacks = 0
         self.num_replays = 0
+        self.max_pages = 0  # set by capture (a re-capture after wake-up reuses it)
 
     # ------------------------------------------------------------------ capture
     @torch.no_grad()
     def capture(self, max_pages: int) -> None:
         """Captures every bucket, largest first, into one shared memory pool."""
         runner, backend = self.runner, self.backend
+        self.max_pages = max_pages
         backend.prepare_graphs(self.max_batch, max_pages)
         t0 = time.perf_counter()
         pool = None

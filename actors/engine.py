@@ -22,6 +22,8 @@ from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
 from actors.sequence import Request, Sequence
 from actors.setup import EngineParts, build_engine_parts
+from actors.sleep import SleepController
+from actors.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +62,19 @@ class Engine:
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
         self._arrivals = itertools.count()
+        self.weights = WeightLoader(self.loaded.model)
+        self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
+        self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: Any, prompt: Any, params: Any = None) -> None:
+    def add_request(self, request_id: Any, prompt: Any, params: Any = None, *,
+                    token_logprobs: bool = False) -> None:
         """Queues a request (thread-safe; never raises for bad request data: a bad request
-        comes back from ``step()`` as one ``finish_reason="error"`` output per sample)."""
+        comes back from ``step()`` as one ``finish_reason="error"`` output per sample).
+        ``token_logprobs`` also records each sampled token's ``raw_logprobs`` and
+        ``temperature_logprobs`` (``GenerationOutput`` attributes of those names)."""
         with self._inbox_lock:
-            self._inbox.append(("add", request_id, prompt, params))
+            self._inbox.append(("add", request_id, prompt, params, bool(token_logprobs)))
 
     def add_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
                      fresh_prefix_cache: bool = False) -> None:
@@ -96,13 +104,14 @@ class Engine:
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
-        for kind, request_id, prompt, params in inbox:
+        for kind, request_id, prompt, params, *extra in inbox:
             if kind == "add":
-                self._add(request_id, prompt, params)
+                self._add(request_id, prompt, params, *extra)
             else:
                 self._abort(request_id)
 
-    def _add(self, request_id: Any, prompt: Any, params: Any) -> None:
+    def _add(self, request_id: Any, prompt: Any, params: Any,
+             token_logprobs: bool = False) -> None:
         n, seed = self.inputs.describe(request_id, params)
         try:
             hash(request_id)
@@ -120,6 +129,7 @@ class Engine:
             logger.debug("request %r rejected: %s", request_id, exc)
             self._ready += self.outputs.error_outputs(request_id, n, str(exc), seed=seed)
             return
+        request.token_logprobs = token_logprobs
         seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
         request.sequences.append(seq)
         self._requests[request_id] = request
@@ -153,6 +163,8 @@ class Engine:
     def step(self) -> list[GenerationOutput]:
         """Runs one step; returns the outputs of the samples that finished (or failed)."""
         with self._step_lock:
+            if self._blocked is not None and self.has_unfinished_requests():
+                raise RuntimeError(self._blocked)
             self._drain_inbox()
             sched = self.scheduler.schedule()
             for slot in sched.released_slots:
@@ -190,9 +202,13 @@ class Engine:
         tokens = host.token_ids.tolist()
         values = host.logprobs.tolist() if host.logprobs is not None else None
         ranks = host.ranks.tolist() if host.ranks is not None else None
+        extra = step.token_logprobs.get().token_ids.tolist() \
+            if step.token_logprobs is not None else None
         for row, seq in enumerate(step.sample_seqs):
             if seq.is_finished:
                 continue  # finished by the previous step (or aborted): this token is dropped
+            if seq.raw_logprobs is not None:
+                self.outputs.record_token_logprobs(seq, *extra[row])
             if seq.logprobs is not None:
                 self.outputs.record_logprobs(
                     seq, values[row], ranks[row],
@@ -202,17 +218,20 @@ class Engine:
                 self._ready.append(self._finish(seq))
 
     # ------------------------------------------------------------------ conveniences
-    def generate(self, requests: Iterable[tuple[Any, Any, Any]]) -> list[GenerationOutput]:
+    def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,
+                 token_logprobs: bool = False) -> list[GenerationOutput]:
         """Runs ``[(request_id, prompt, params)]`` to completion; returns their outputs in
         request order, then sample_index. Outputs of other requests finishing meanwhile are
-        kept for the next ``step()``."""
+        kept for the next ``step()``. ``token_logprobs``: as in ``add_request``."""
         requests = list(requests)
         order = {rid: i for i, (rid, _, _) in enumerate(requests)}
         if len(order) != len(requests):
             raise ValueError("generate: request ids must be unique")
         with self._step_lock:
+            if self._blocked is not None:
+                raise RuntimeError(self._blocked)
             for rid, prompt, params in requests:
-                self.add_request(rid, prompt, params)
+                self.add_request(rid, prompt, params, token_logprobs=token_logprobs)
             mine: list[GenerationOutput] = []
             others: list[GenerationOutput] = []
             while True:
@@ -223,6 +242,57 @@ class Engine:
             self._ready = others + self._ready
         mine.sort(key=lambda o: (order[o.id], o.sample_index))
         return mine
+
+    # ------------------------------------------------------------------ RL: weights, memory
+    def update_weights(self, weights: Any) -> dict[str, Any]:
+        """Copies new weights into the model in place (nothing is read from disk) and resets
+        the prefix cache. ``weights``: a state dict, an ``actors.weights.WeightPayload`` or an
+        iterable of ``(name, tensor)`` pairs, with Hugging Face state-dict names (a subset is
+        fine: e.g. one checkpoint shard per call; tied names load the same tensor).
+
+        Returns ``{"num_tensors", "num_bytes", "seconds"}``. Raises ``ValueError`` naming the
+        tensor for an unknown name, a wrong shape or dtype; ``RuntimeError`` while requests
+        are unfinished or the weights' memory is asleep (level 2: ``wake_up()`` first).
+        """
+        with self._step_lock:
+            self._quiesce("update_weights")
+            stats = self.weights.load(weights)
+            self.scheduler.bm.reset_prefix_cache()
+            self._blocked = self.memory.blocked_reason()
+            return stats
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Frees device memory of an idle engine: level 1 the KV cache, level 2 also the
+        weights (reload them with ``update_weights`` after ``wake_up``). Returns the bytes
+        freed, ``{"kv_cache": ..., "weights": ...}``; steps refuse to run until woken."""
+        with self._step_lock:
+            self._quiesce("sleep")
+            freed = self.memory.sleep(level)
+            self.scheduler.bm.reset_prefix_cache()
+            self._blocked = self.memory.blocked_reason()
+            return freed
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Re-allocates what ``sleep`` freed (``tags`` ⊆ {"weights", "kv_cache"}; None: all)
+        and, on CUDA, captures the decode graphs again."""
+        with self._step_lock:
+            self.memory.wake_up(tags)
+            self._blocked = self.memory.blocked_reason()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache (cached KV computed with other weights is never reused)."""
+        with self._step_lock:
+            self.scheduler.bm.reset_prefix_cache()
+
+    def _quiesce(self, what: str) -> None:
+        """Raises unless no request is unfinished; reads back a step still in flight."""
+        with self._inbox_lock:
+            queued = bool(self._inbox)
+        if queued or self._requests:
+            raise RuntimeError(f"{what}: the engine has unfinished requests; wait for them or "
+                               "abort them first")
+        while self._inflight is not None:
+            self._ready = self.step() + self._ready
 
     def info(self) -> dict[str, Any]:
         """Model and engine facts."""
@@ -240,6 +310,7 @@ class Engine:
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "attention_backend": self.executor.runner.backend.name,
             "cuda_graphs": self.executor.runner.graphs is not None,
+            "sleep_level": self.memory.level,
         }
 
     @property

@@ -16,7 +16,8 @@ import torch
 from actors.model_runner import ModelRunner
 from actors.scheduler import SchedulerOutput
 from actors.sequence import PENDING, Request, Sequence
-from sampler import AsyncOutput, Sampler, compute_prompt_logprobs
+from sampler import AsyncOutput, Sampler, SamplerOutput, compute_prompt_logprobs
+from sampler.ops.token_logprobs import compute_token_logprobs
 
 
 @dataclass(slots=True)
@@ -38,6 +39,9 @@ class InflightStep:
     token_ids: torch.Tensor | None         # [rows] sampled ids, on the device
     prompt_scores: list[PromptScores] = field(default_factory=list)
     num_tokens: int = 0
+    # [rows, 2] float32 (raw, temperature) logprobs of the sampled tokens, when a row asked
+    # (the pair rides in the token_ids slot of the async copy)
+    token_logprobs: AsyncOutput | None = None
 
 
 class StepExecutor:
@@ -75,7 +79,13 @@ class StepExecutor:
             slots = [seq.slot for seq in sched.sample_seqs]
             if timer is not None:
                 timer.mark("sample")
+            wants_extra = any(seq.request.token_logprobs for seq in sched.sample_seqs)
+            # the torch pipeline overwrites float32 logits: keep the raw ones for the extras
+            raw = logits.clone() if wants_extra and logits.dtype == torch.float32 \
+                and self.sampler.backend == "torch" else logits
             out = self.sampler.sample(logits, slots)
+            if wants_extra:
+                step.token_logprobs = self._token_logprobs(raw, out.token_ids, sched.sample_seqs)
             step.output = AsyncOutput(out)
             step.token_ids = out.token_ids
             pending_pos = step.pending_pos
@@ -89,6 +99,15 @@ class StepExecutor:
         if timer is not None:
             timer.end_step()
         return step
+
+    def _token_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                        seqs: list[Sequence]) -> AsyncOutput:
+        """Raw and temperature logprobs of every row's sampled token (T = 1 when greedy)."""
+        temps = np.fromiter((seq.request.params.temperature or 1.0 for seq in seqs),
+                            np.float32, len(seqs))
+        raw, temp = compute_token_logprobs(logits, token_ids, self.runner.to_device(temps),
+                                           backend=self.sampler.backend)
+        return AsyncOutput(SamplerOutput(token_ids=torch.stack([raw, temp], dim=1)))
 
     def _score_prompts(self, sched: SchedulerOutput, query_start_loc: np.ndarray,
                        hidden: torch.Tensor) -> list[PromptScores]:

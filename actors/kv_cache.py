@@ -50,6 +50,7 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+        self.device = self.pool.device
 
     @property
     def scratch_page(self) -> int:
@@ -67,7 +68,28 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool when allocated (also while released)."""
         return self.pool.numel() * self.pool.element_size()
+
+    # ------------------------------------------------------------------ sleep / wake
+    @property
+    def is_released(self) -> bool:
+        return self.pool.device.type == "meta"
+
+    def release(self) -> int:
+        """Frees the pages (the pool becomes a shape-only placeholder, so a stray read fails
+        loudly); returns the bytes released. Their contents are lost."""
+        if self.is_released:
+            return 0
+        freed = self.nbytes
+        self.pool = torch.empty(self.pool.shape, dtype=self.pool.dtype, device="meta")
+        logger.info("KV cache released (%.1f MiB)", freed / 2**20)
+        return freed
+
+    def restore(self) -> None:
+        """Allocates the pages again (zeros, as at construction) on their device."""
+        if self.is_released:
+            self.pool = torch.zeros(self.pool.shape, dtype=self.pool.dtype, device=self.device)
 
 
 def bytes_per_block(

@@ -38,6 +38,8 @@ class OutputProcessor:
             seq.logprobs, seq.sampled_ranks = [], []
             if params.logprobs != 0:
                 seq.top_logprobs = []
+        if seq.request.token_logprobs and seq.raw_logprobs is None:
+            seq.raw_logprobs, seq.temperature_logprobs = [], []
 
     # ------------------------------------------------------------------ per token
     def record_logprobs(self, seq: Sequence, value: float, rank: int,
@@ -49,6 +51,12 @@ class OutputProcessor:
             k = seq.request.params.logprobs
             k = self.vocab_size if k == -1 else k
             seq.top_logprobs.append(_pairs(top_ids[:k], top_values[:k]))
+
+    @staticmethod
+    def record_token_logprobs(seq: Sequence, raw: float, temperature: float) -> None:
+        """Appends one step's raw and temperature logprobs of the sampled token."""
+        seq.raw_logprobs.append(raw)
+        seq.temperature_logprobs.append(temperature)
 
     def append_token(self, seq: Sequence, token_id: int, pos: int) -> bool:
         """Writes the sampled ``token_id`` at ``pos`` (its placeholder); returns whether the
@@ -96,7 +104,8 @@ class OutputProcessor:
             del seq.token_ids[seq.token_ids.index(PENDING):]
         seq.num_pending = 0
         n_out = seq.num_output_tokens
-        for name in ("logprobs", "sampled_ranks", "top_logprobs"):
+        for name in ("logprobs", "sampled_ranks", "top_logprobs", "raw_logprobs",
+                     "temperature_logprobs"):
             values = getattr(seq, name)
             if values is not None:
                 del values[n_out:]
@@ -125,6 +134,8 @@ class OutputProcessor:
             seed=request.seed,
             prompt_top_logprobs=list(request.prompt_top_logprobs)
             if request.prompt_top_logprobs is not None else None,
+            raw_logprobs=seq.raw_logprobs,
+            temperature_logprobs=seq.temperature_logprobs,
         )
 
     @staticmethod

@@ -51,6 +51,9 @@ class GenerationOutput:
         error: why the request failed (finish_reason "error"), else None.
         prompt_top_logprobs: in memory only (not a column): top-k pairs per prompt position
             (element 0 None) when ``prompt_logprobs > 0``.
+        raw_logprobs, temperature_logprobs: in memory only (RL rollouts): per sampled token,
+            ``log_softmax(z)[t]`` and ``log_softmax(z / T)[t]`` from the untouched float32
+            logits ``z`` (T = 1 for greedy rows), when the request asked for them; else None.
     """
 
     id: Any
@@ -68,6 +71,8 @@ class GenerationOutput:
     seed: int | None = None
     error: str | None = None
     prompt_top_logprobs: list[list[dict[str, Any]] | None] | None = None
+    raw_logprobs: list[float] | None = None
+    temperature_logprobs: list[float] | None = None
 
     def to_dict(self, *, include_prompt_top_logprobs: bool = False) -> dict[str, Any]:
         """The schema columns as a dict (``prompt_top_logprobs`` only when asked)."""

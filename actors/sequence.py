@@ -36,6 +36,8 @@ class Request:
     num_prompt_rows_scored: int = 0   # rows 0..k-1 scored (row p scores prompt token p+1)
     num_unfinished: int = 0           # samples not yet finished
     sequences: list[Sequence] = field(default_factory=list)
+    # RL: also record raw and temperature logprobs of each sampled token (actors/rollout)
+    token_logprobs: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +74,8 @@ class Sequence:
     logprobs: list[float] | None = None
     sampled_ranks: list[int] | None = None
     top_logprobs: list[list[dict[str, Any]]] | None = None
+    raw_logprobs: list[float] | None = None          # when request.token_logprobs
+    temperature_logprobs: list[float] | None = None
     detok: Any = None
     finish_reason: str | None = None
     stop_reason: str | None = None
