@@ -6,6 +6,7 @@ rerun computes the same one; it is stored in the manifest at job start and check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -74,4 +75,14 @@ def make_task(shard: Shard, attempt: int, spec: InputSpec, config: JobConfig,
         schema=spec.schema,
         id_offset=f.row_offset if spec.generated_ids else None,
         deterministic=config.deterministic,
+        max_num_seqs=_max_num_seqs(config),
     )
+
+
+def _max_num_seqs(config: JobConfig) -> int:
+    """The engine's ``max_num_seqs`` (the largest ``n`` a row may ask for)."""
+    from actors.config import EngineConfig
+
+    default = next(f.default for f in dataclasses.fields(EngineConfig)
+                   if f.name == "max_num_seqs")
+    return int(config.engine.get("max_num_seqs", default))

@@ -1,0 +1,190 @@
+"""A shard's input rows -> engine requests, or error rows naming the field, row id and shard.
+
+Everything a data file can hold is expected here: null ids, null or invalid UTF-8 strings,
+params that are garbage, empty or role-less chat messages. Each such row becomes one
+:class:`ErrorOutput` whose error starts with ``row id <id> (shard <n>): `` (or the row's
+position in its file when the id itself is unusable) and names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from sampler.params import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.shard import ShardTask
+
+Request = tuple[str, Any, SamplingParams]
+
+
+@dataclass(slots=True)
+class ErrorOutput:
+    """An output row for a request that never ran (the schema's attributes, finish "error")."""
+
+    error: str
+    seed: int | None = None
+    sample_index: int = 0
+    output_text: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "error"
+    stop_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None
+    sampled_ranks: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def read_rows(task: ShardTask) -> pa.Table:
+    """The shard's input rows ``[row_start, row_stop)`` of its file, every column."""
+    dataset = ds.dataset(task.input_path, format=task.input_format, filesystem=task.input_fs)
+    start, stop = task.row_start, task.row_stop
+    pieces, offset = [], 0
+    if task.input_format == "parquet":
+        fragment = next(iter(dataset.get_fragments()))
+        for group in fragment.split_by_row_group():
+            num = group.row_groups[0].num_rows
+            if offset + num > start and offset < stop:
+                lo = max(start - offset, 0)
+                pieces.append(group.to_table().slice(lo, min(stop, offset + num) - offset - lo))
+            offset += num
+            if offset >= stop:
+                break
+    else:
+        for batch in dataset.to_batches():
+            num = batch.num_rows
+            if offset + num > start and offset < stop:
+                lo = max(start - offset, 0)
+                pieces.append(pa.Table.from_batches([batch.slice(lo, min(stop, offset + num)
+                                                                 - offset - lo)]))
+            offset += num
+            if offset >= stop:
+                break
+    table = pa.concat_tables(pieces) if pieces else dataset.schema.empty_table()
+    if table.num_rows != stop - start:
+        raise ValueError(f"shard {task.shard_id}: {task.input_path} has fewer rows than planned "
+                         f"(wanted rows {start}..{stop}); the input changed during the job")
+    return table
+
+
+def row_ids(task: ShardTask, table: pa.Table) -> tuple[pa.Array, list[Any], dict[int, str]]:
+    """The ids for the output column, their Python values, and the rows whose id is unusable
+    (row -> reason; such an id is null in the output and in the values)."""
+    column = task.columns.get("id")
+    if task.id_offset is not None or column is None:
+        base = (task.id_offset or 0) + task.row_start
+        ids = pa.array([str(base + i) for i in range(table.num_rows)], type=pa.string())
+        return ids, ids.to_pylist(), {}
+    ids = table.column(column).combine_chunks().cast(task.schema.field("id").type)
+    try:
+        return ids, ids.to_pylist(), {}
+    except UnicodeDecodeError:  # a string id that is not UTF-8: that row fails, not the shard
+        values, bad = [], {}
+        for i in range(len(ids)):
+            try:
+                values.append(ids[i].as_py())
+            except UnicodeDecodeError:
+                values.append(None)
+                bad[i] = f"id: the {column!r} value is not valid UTF-8"
+        mask = pa.array([i in bad for i in range(len(ids))])
+        return pc.if_else(mask, pa.nulls(len(ids), ids.type), ids), values, bad
+
+
+def _value(table: pa.Table, column: str, i: int, field_name: str) -> Any:
+    try:
+        return table.column(column)[i].as_py()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{field_name}: the {column!r} value is not valid UTF-8 ({exc.reason} "
+                         f"at byte {exc.start})") from None
+
+
+def _messages(value: list, column: str) -> list[dict[str, Any]]:
+    if not value:
+        raise ValueError(f"messages: no messages in the {column!r} column")
+    out = []
+    for k, message in enumerate(value):
+        # a struct column holds a null for every key another row set: null = not set
+        message = {key: v for key, v in message.items() if v is not None}
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise ValueError(f"messages: message {k} of the {column!r} column has no role")
+        out.append(message)
+    return out
+
+
+def _prompt(task: ShardTask, table: pa.Table, i: int) -> Any:
+    for role in ("prompt", "messages", "token_ids"):
+        name = task.columns.get(role)
+        if name is None or name not in table.column_names:
+            continue
+        value = _value(table, name, i, "messages" if role == "messages" else "prompt")
+        if value is None:
+            continue
+        return _messages(value, name) if role == "messages" else value
+    names = ", ".join(repr(task.columns[r]) for r in ("prompt", "messages", "token_ids")
+                      if r in task.columns)
+    raise ValueError(f"no prompt: {names} all null")
+
+
+def _params(task: ShardTask, table: pa.Table, i: int, row_id: Any) -> SamplingParams:
+    column = task.columns.get("params")
+    raw = None
+    if column is not None and column in table.column_names:
+        raw = _value(table, column, i, "sampling_params")
+    params = SamplingParams.coerce(_arrow_params(raw), defaults=task.default_params)
+    if task.max_num_seqs is not None and params.n > task.max_num_seqs:
+        # refused here: the engine would first make one error row per asked-for sample
+        raise ValueError(f"sampling_params.n: must be <= max_num_seqs ({task.max_num_seqs}), "
+                         f"got {params.n}")
+    if params.seed is None:  # the job's seed rule for unseeded rows
+        from sampler import derive_seed
+
+        params = params.replace(seed=derive_seed(task.seed, row_id))
+    return params
+
+
+def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
+                     id_errors: dict[int, str] | None = None
+                     ) -> tuple[list[Request], dict[int, ErrorOutput]]:
+    """Requests for the rows that can run; an ``ErrorOutput`` for each row that cannot."""
+    requests: list[Request] = []
+    errors: dict[int, ErrorOutput] = {}
+    for i, row_id in enumerate(ids):
+        try:
+            if id_errors and i in id_errors:
+                raise ValueError(id_errors[i])
+            if row_id is None:
+                raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
+            params = _params(task, table, i, row_id)
+            prompt = _prompt(task, table, i)
+        except (ValueError, TypeError) as exc:
+            errors[i] = ErrorOutput(error=row_message(task, row_id, i, str(exc)))
+            continue
+        requests.append((f"{task.shard_id}.{task.attempt}.{i}", prompt, params))
+    return requests, errors
+
+
+def _arrow_params(raw: Any) -> Any:
+    """Undoes what Arrow does to a ``logit_bias`` mapping: a map column reads back as (key,
+    value) pairs, a struct column has a null for every key another row set."""
+    if isinstance(raw, dict) and raw.get("logit_bias") is not None:
+        bias = raw["logit_bias"]
+        if isinstance(bias, list) and all(isinstance(p, tuple) and len(p) == 2 for p in bias):
+            bias = dict(bias)
+        if isinstance(bias, dict):
+            bias = {k: v for k, v in bias.items() if v is not None}
+        raw = {**raw, "logit_bias": bias}
+    return raw
+
+
+def row_message(task: ShardTask, row_id: Any, index: int, message: str) -> str:
+    """``row id <id> (shard <n>): <message>``, or the row's position when it has no id."""
+    where = (f"row id {row_id!r}" if row_id is not None
+             else f"row {task.row_start + index} of {task.input_path}")
+    return f"{where} (shard {task.shard_id}): {message}"
