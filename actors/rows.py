@@ -8,6 +8,7 @@ position in its file when the id itself is unusable) and names the field.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -132,21 +133,41 @@ def _prompt(task: ShardTask, table: pa.Table, i: int) -> Any:
     raise ValueError(f"no prompt: {names} all null")
 
 
-def _params(task: ShardTask, table: pa.Table, i: int, row_id: Any) -> SamplingParams:
-    column = task.columns.get("params")
-    raw = None
-    if column is not None and column in table.column_names:
-        raw = _value(table, column, i, "sampling_params")
-    params = SamplingParams.coerce(_arrow_params(raw), defaults=task.default_params)
-    if task.max_num_seqs is not None and params.n > task.max_num_seqs:
-        # refused here: the engine would first make one error row per asked-for sample
-        raise ValueError(f"sampling_params.n: must be <= max_num_seqs ({task.max_num_seqs}), "
-                         f"got {params.n}")
-    if params.seed is None:  # the job's seed rule for unseeded rows
-        from sampler import derive_seed
+class _ParamsReader:
+    """A row's SamplingParams over the job defaults. Rows often repeat their params (none,
+    or the same JSON text): those are validated once per shard."""
 
-        params = params.replace(seed=derive_seed(task.seed, row_id))
-    return params
+    def __init__(self, task: ShardTask, table: pa.Table) -> None:
+        self.task = task
+        column = task.columns.get("params")
+        self.column = column if column is not None and column in table.column_names else None
+        self.table = table
+        self._seen: dict[Any, SamplingParams] = {}
+
+    def _coerce(self, raw: Any) -> SamplingParams:
+        task = self.task
+        params = SamplingParams.coerce(_arrow_params(raw), defaults=task.default_params)
+        if task.max_num_seqs is not None and params.n > task.max_num_seqs:
+            # refused here: the engine would first make one error row per asked-for sample
+            raise ValueError(f"sampling_params.n: must be <= max_num_seqs "
+                             f"({task.max_num_seqs}), got {params.n}")
+        return params
+
+    def read(self, i: int, row_id: Any) -> SamplingParams:
+        raw = None if self.column is None else _value(self.table, self.column, i,
+                                                      "sampling_params")
+        if raw is None or isinstance(raw, str):
+            params = self._seen.get(raw)
+            if params is None:
+                params = self._seen[raw] = self._coerce(raw)
+        else:
+            params = self._coerce(raw)
+        if params.seed is None:  # the job's seed rule for unseeded rows
+            from sampler import derive_seed
+
+            params = copy.copy(params)  # validated already; derive_seed is in range
+            params.seed = derive_seed(self.task.seed, row_id)
+        return params
 
 
 def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
@@ -155,13 +176,14 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
     """Requests for the rows that can run; an ``ErrorOutput`` for each row that cannot."""
     requests: list[Request] = []
     errors: dict[int, ErrorOutput] = {}
+    params_of = _ParamsReader(task, table)
     for i, row_id in enumerate(ids):
         try:
             if id_errors and i in id_errors:
                 raise ValueError(id_errors[i])
             if row_id is None:
                 raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
-            params = _params(task, table, i, row_id)
+            params = params_of.read(i, row_id)
             prompt = _prompt(task, table, i)
         except (ValueError, TypeError) as exc:
             errors[i] = ErrorOutput(error=row_message(task, row_id, i, str(exc)))
