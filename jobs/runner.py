@@ -61,6 +61,8 @@ def check_model(config: JobConfig) -> None:
             raise ValueError(f"config.model: cannot read {model!r}/config.json: {exc}") from None
         if not isinstance(data, dict) or not (data.get("model_type") or data.get("architectures")):
             raise ValueError(f"config.model: {model!r}/config.json names no model_type")
+        if data.get("auto_map") and not config.trust_remote_code:
+            _refuse_remote_code(model, data)
         return
     from transformers import AutoConfig
 
@@ -69,6 +71,18 @@ def check_model(config: JobConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure here means an unusable model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"config.model: cannot load {model!r}: {first}") from None
+
+
+def _refuse_remote_code(model: str, data: dict) -> None:
+    """A checkpoint whose model type only its own code (``auto_map``) defines cannot load
+    without ``trust_remote_code``: say so before any actor starts (nothing is executed)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if data.get("model_type") not in CONFIG_MAPPING_NAMES:
+        raise ValueError(
+            f"config.model: {model!r} needs its own Python code (config.json auto_map, "
+            f"model_type {data.get('model_type')!r}), which runs only with trust_remote_code: "
+            "true; set it only for a checkpoint you trust")
 
 
 def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None) -> JobResult:

@@ -14,6 +14,7 @@ import yaml
 from tests.jobs.helpers import (is_loopback, listening_addresses, process_tree, write_jsonl,
                                 write_parquet)
 from tests.toolkit.cluster import head_cluster
+from toolkit.cli import main
 from toolkit.submit import _portable_config, job_status, submit_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -31,7 +32,7 @@ def test_portable_config_makes_local_paths_absolute(tmp_path, monkeypatch):
         _portable_config({"modle": "x", "input": "a", "output": "o"})
 
 
-def test_submit_to_a_cluster_and_status(tmp_path, monkeypatch, tiny_llama):
+def test_submit_to_a_cluster_and_status(tmp_path, monkeypatch, tiny_llama, capsys):
     monkeypatch.chdir(tmp_path)
     write_parquet(tmp_path / "in" / "a.parquet",
                   [{"id": i, "prompt": f"hello number {i}"} for i in range(10)])
@@ -47,6 +48,16 @@ def test_submit_to_a_cluster_and_status(tmp_path, monkeypatch, tiny_llama):
         assert addresses and all(is_loopback(a) for a in addresses), addresses
         with pytest.raises(PermissionError, match="refused the request: it needs its auth"):
             submit_job("job.yaml", cluster.url, token="not-the-token")
+        with monkeypatch.context() as no_token:  # no token anywhere: a clear refusal too
+            for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+                no_token.delenv(name, raising=False)
+            no_token.setenv("HOME", str(tmp_path / "home"))
+            with pytest.raises(PermissionError,
+                               match=r"needs its auth token \(none was found\)"):
+                submit_job("job.yaml", cluster.url)
+            assert main(["submit", "job.yaml", "--address", cluster.url]) == 1
+            err = capsys.readouterr().err
+            assert err.startswith("raygen: error: Ray at ") and "none was found" in err, err
         job_id = submit_job("job.yaml", cluster.url, token=cluster.token)
         deadline = time.monotonic() + 300
         status = job_status(job_id, cluster.url, token=cluster.token)
