@@ -137,19 +137,29 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][h|n][s|f]`` selects a launch config of the fused kernel (a
-    tuning sweep): h/n = histogram / per-lane bin counts, s/f = skip empty tiles or not."""
+    """``triton@BLOCKxWARPS[xCAP][n][f][pSPLIT][vVEC]`` selects a launch config of the fused
+    kernel (a tuning sweep): n = per-lane bin counts instead of tl.histogram, f = no skipping
+    of empty tiles in the sampling pass, pSPLIT = pass 1 as a separate kernel over vocab
+    chunks of SPLIT tokens, vVEC = tokens per thread and tile row."""
+    import re
+
     if name.startswith("triton"):
         from sampler.kernels.pipeline import LaunchConfig, set_launch_config
 
         if "@" in name:
             spec = name.split("@")[1]
-            flags = spec.lstrip("0123456789x")
-            nums = [int(v) for v in spec[: len(spec) - len(flags)].split("x") if v]
-            kw = dict(block=nums[0], num_warps=nums[1])
-            if len(nums) > 2:
-                kw["cap"] = nums[2]
-            set_launch_config(LaunchConfig(**kw, hist="n" not in flags, skip="f" not in flags))
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nf]*)(?:p(\d+))?(?:v(\d+))?", spec)
+            if m is None:
+                raise ValueError(f"--backends: bad triton variant {name!r}")
+            kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
+                      skip="f" not in m[4])
+            if m[3]:
+                kw["cap"] = int(m[3])
+            if m[5]:
+                kw["split"] = int(m[5])
+            if m[6]:
+                kw["vec"] = int(m[6])
+            set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)
 

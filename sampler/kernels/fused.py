@@ -36,16 +36,17 @@ from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _o
 
 @triton.jit
 def _tile(
-    base, start, row, slot, V, W, T,
+    base, start, row, slot, V, W, T, lim,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
-    """One ``[R, VEC]`` tile: (offsets, in-vocab mask, raw fp32, processed fp32 before T)."""
+    """One ``[R, VEC]`` tile of ``[start, lim)``: (offsets, mask, raw fp32, processed fp32 before
+    T). ``V`` is the vocab size (the row stride of the per-slot tables)."""
     offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    vmask = offs < V
+    vmask = offs < lim
     raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
     x = _processed(
         raw, offs, vmask, row, slot, V, W,
@@ -76,11 +77,60 @@ def _online_lse(v, m, acc):
 
 
 @triton.jit
+def _lse_pair(m, acc):
+    """Combines per-lane (m, acc) into one (max, sum of exp(x - max))."""
+    mm = tl.max(m, 0)
+    return mm, tl.sum(tl.where(m > float("-inf"), acc * tl.exp(m - mm), 0.0), 0)
+
+
+@triton.jit
 def _lse(m, acc):
     """Combines per-lane (m, acc) into log-sum-exp."""
-    mm = tl.max(m, 0)
-    total = tl.sum(tl.where(m > float("-inf"), acc * tl.exp(m - mm), 0.0), 0)
+    mm, total = _lse_pair(m, acc)
     return mm + tl.log(total)
+
+
+@triton.jit
+def _stats_range(
+    base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr,
+):
+    """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
+    log-sum-exp accumulators of the raw values and of raw / T."""
+    NEG = float("-inf")
+    lane = tl.arange(0, R)
+    acc_bv = tl.full([R], NEG, tl.float32)
+    acc_bi = tl.zeros([R], dtype=tl.int32)
+    acc_ms = tl.full([R], NEG, tl.float32)
+    acc_mr = tl.full([R], NEG, tl.float32)
+    acc_lr = tl.zeros([R], dtype=tl.float32)
+    acc_mt = tl.full([R], NEG, tl.float32)
+    acc_lt = tl.zeros([R], dtype=tl.float32)
+    for start in range(lo, hi, R * VEC):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
+            row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+            ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        if greedy | (not ANY_RANDOM):
+            tv = tl.max(x, 1)
+            ti = start + lane * VEC + tl.argmax(x, 1)
+            upd = tv > acc_bv
+            acc_bv = tl.where(upd, tv, acc_bv)
+            acc_bi = tl.where(upd, ti, acc_bi)
+        else:
+            acc_ms = tl.maximum(acc_ms, tl.max(tl.math.div_rn(x, T), 1))
+        if ANY_LP:
+            if lp_on:
+                acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
+                if mode == 4:
+                    acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
+    return acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt
 
 
 @triton.jit
@@ -134,14 +184,14 @@ def _fused_sampler_kernel(
     stop_ids_ptr, NSTOP,
     ban_ptr, NBAN,
     allowed_ptr,
-    cand_ptr, counter_ptr,
+    cand_ptr, counter_ptr, part_ptr, part_i_ptr, NCHUNK,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
-    MAX_PASSES: tl.constexpr, W0: tl.constexpr,
+    MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -170,32 +220,24 @@ def _fused_sampler_kernel(
     lane = tl.arange(0, R)
 
     # ---------------------------------------------------------------- pass 1: row statistics
-    acc_bv = tl.full([R], NEG, tl.float32)
-    acc_bi = tl.zeros([R], dtype=tl.int32)
-    acc_ms = tl.full([R], NEG, tl.float32)
-    acc_mr = tl.full([R], NEG, tl.float32)
-    acc_lr = tl.zeros([R], dtype=tl.float32)
-    acc_mt = tl.full([R], NEG, tl.float32)
-    acc_lt = tl.zeros([R], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
-            row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    if SPLIT:  # computed by _stats_kernel over vocab chunks: combine its partials
+        jc = tl.arange(0, NCP2)
+        pf = part_ptr + (row * NCHUNK + jc) * 8
+        live = jc < NCHUNK
+        acc_bv = tl.load(pf + 0, mask=live, other=NEG)
+        acc_bi = tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0)
+        acc_ms = tl.load(pf + 1, mask=live, other=NEG)
+        acc_mr = tl.load(pf + 2, mask=live, other=NEG)
+        acc_lr = tl.load(pf + 3, mask=live, other=0.0)
+        acc_mt = tl.load(pf + 4, mask=live, other=NEG)
+        acc_lt = tl.load(pf + 5, mask=live, other=0.0)
+    else:
+        acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt = _stats_range(
+            base, 0, V, row, slot, V, W, T, greedy, lp_on, mode,
+            pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+            bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        if greedy | (not ANY_RANDOM):
-            tv = tl.max(x, 1)
-            ti = start + lane * VEC + tl.argmax(x, 1)
-            upd = tv > acc_bv
-            acc_bv = tl.where(upd, tv, acc_bv)
-            acc_bi = tl.where(upd, ti, acc_bi)
-        else:
-            acc_ms = tl.maximum(acc_ms, tl.max(tl.math.div_rn(x, T), 1))
-        if ANY_LP:
-            if lp_on:
-                acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
-                if mode == 4:
-                    acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM)
     best_v, best_i = _best(acc_bv, acc_bi)
     m_s = tl.max(acc_ms, 0)
     m_r = tl.max(acc_mr, 0)
@@ -252,7 +294,7 @@ def _fused_sampler_kernel(
             tl.debug_barrier()
             for start in range(0, V, BLOCK):
                 offs, vmask, raw, x = _tile(
-                    base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                    base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
                     freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
                     NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -416,7 +458,7 @@ def _fused_sampler_kernel(
                 acc_si = tl.zeros([R], dtype=tl.int32)
                 for start in range(0, V, BLOCK):
                     offs, vmask, raw, x = _tile(
-                        base, start, row, slot, V, W, T, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                        base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
                         freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
                         NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
                         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -470,3 +512,56 @@ def _fused_sampler_kernel(
             vals_out = tl.where(have, _key_value(keys), NEG)
         tl.store(topk_id_ptr + row * KOUT + ii, ids_out, mask=ii < KOUT)
         tl.store(topk_val_ptr + row * KOUT + ii, vals_out, mask=ii < KOUT)
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, stride_row, V, W,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
+    pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    part_ptr, part_i_ptr, NCHUNK, CHUNK,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
+    ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+):
+    """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
+    batches still spread the first read of the logits over the whole GPU. Writes per-chunk
+    partials: greedy (value, index), max of x / T, and (max, sum) of the two log-sum-exps."""
+    R: tl.constexpr = BLOCK // VEC
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(idx_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    nlp = tl.load(iparams_ptr + slot * stride_i + 4)
+    mode = tl.load(iparams_ptr + slot * stride_i + 5)
+    greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    pos = tl.load(positions_ptr + slot)
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    raw_family = (mode == 0) | (mode == 1) | (mode == 4)
+    lp_on = (nlp != -2) & raw_family & (nlp >= 0)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt = _stats_range(
+        base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, pos < min_tokens,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM)
+    bv, bi = _best(acc_bv, acc_bi)
+    mr, lr = _lse_pair(acc_mr, acc_lr)
+    mt, lt = _lse_pair(acc_mt, acc_lt)
+    out = part_ptr + (row * NCHUNK + c) * 8
+    tl.store(out + 0, bv)
+    tl.store(out + 1, tl.max(acc_ms, 0))
+    tl.store(out + 2, mr)
+    tl.store(out + 3, lr)
+    tl.store(out + 4, mt)
+    tl.store(out + 5, lt)
+    tl.store(part_i_ptr + row * NCHUNK + c, tl.where(bv > float("-inf"), bi, lo))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from sampler.kernels.fused import _fused_sampler_kernel
+from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
@@ -39,6 +39,7 @@ class LaunchConfig:
     vec: int = 8
     hist: bool = True  # bin counts through tl.histogram (else per-lane sums)
     skip: bool = True  # the full sampling pass skips tiles with nothing kept
+    split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
 
 
 _config_override: LaunchConfig | None = None
@@ -189,19 +190,34 @@ def run_pipeline_triton(
     if rows == 0:
         return SamplerOutput(token_ids=tok)
     t = kernel_tables(state, plan, idx_mapping)
+    flags = dict(HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias,
+                 HAS_STOP=plan.do_min_tokens, HAS_BAN=plan.do_bad_words,
+                 HAS_ALLOWED=plan.do_allowed, ANY_LP=plan.any_logprobs,
+                 ANY_RANDOM=plan.any_random)
+    tables = (t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
+              t.bans, t.nban, t.allowed)
+    head = (logits, logits.stride(0), vocab, t.W, idx_mapping, state.fparams,
+            state.fparams.stride(0), state.iparams, state.iparams.stride(0), state.positions)
+    nchunk = 1
+    part = torch.empty(1, dtype=torch.float32, device=dev)
+    part_i = torch.empty(1, dtype=torch.int32, device=dev)
+    if cfg.split > 0:
+        chunk = max(cfg.block, cfg.split // cfg.block * cfg.block)
+        nchunk = triton.cdiv(vocab, chunk)
+        part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
+        part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
+        _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, **flags,
+                                      BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
         state.iparams.stride(0), state.positions,
-        t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
-        t.bans, t.nban, t.allowed, cand, counters, tok, lp, rank, topk_ids, topk_vals, kout,
-        thr,
-        HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
-        HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
-        ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random,
+        *tables, cand, counters, part, part_i, nchunk, tok, lp, rank, topk_ids, topk_vals,
+        kout, thr, **flags,
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
-        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, num_warps=cfg.num_warps,
+        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=cfg.split > 0,
+        NCP2=triton.next_power_of_2(nchunk), num_warps=cfg.num_warps,
     )
     if scratch is not None:
         scratch.update(cand=cand, counters=counters, cap=cfg.cap)

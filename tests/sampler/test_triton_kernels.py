@@ -276,14 +276,16 @@ def test_sliced_vocab_and_bf16():
     assert torch.equal(logits, before)  # the raw snapshot stays pristine
 
 
-@pytest.mark.parametrize("hist,skip", [(False, False)])
-def test_kernel_variants_agree(hist, skip):
-    """The per-lane bin counting and the no-skip sampling pass give the same results."""
+@pytest.mark.parametrize("hist,skip,split", [(False, False, 0), (True, True, 512)])
+def test_kernel_variants_agree(hist, skip, split):
+    """Per-lane bin counts, the no-skip sampling pass and pass 1 split over vocab chunks (a
+    separate kernel) give the torch pipeline's results too."""
     from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
-    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
-                                   hist=hist, skip=skip))
+    block = 256 if split else base.block
+    set_launch_config(LaunchConfig(block=block, num_warps=base.num_warps, cap=base.cap,
+                                   hist=hist, skip=skip, split=split))
     try:
         rows, vocab = 7, 1000
         sampler, slots = make_batch(77, rows, vocab)
