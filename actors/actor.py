@@ -56,6 +56,47 @@ class GenerationActor:
         """Model and engine facts (for logs and the job driver)."""
         return self.engine.info()
 
+    # ------------------------------------------------------------------ RL rollouts
+    def generate_table(self, prompts: Sequence[Prompt], params: Sequence[Any],
+                       ids: Sequence[Any], *, logprob_columns: Sequence[str] = (),
+                       id_type: Any = None) -> Any:
+        """Generates for ``prompts`` (one params per prompt, prepared by
+        ``actors.rollout.prepare_params``) and returns a ``pyarrow.Table`` with the job output
+        columns (``id`` from ``ids``, of ``id_type``) plus ``logprob_columns``
+        (``actors.rollout.LOGPROB_COLUMNS``), one row per (prompt, sample) in prompt order."""
+        import pyarrow as pa
+
+        from actors.rollout import canonical_columns, rollout_table
+
+        columns = canonical_columns(logprob_columns)
+        token_logprobs = bool({"raw_logprobs", "temperature_logprobs"} & set(columns))
+        outputs = self.engine.generate(
+            [(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))],
+            token_logprobs=token_logprobs)
+        id_type = id_type if id_type is not None else pa.array(list(ids)).type
+        return rollout_table(outputs, ids, id_type, columns)
+
+    def update_weights(self, weights: Any) -> dict[str, Any]:
+        """``Engine.update_weights`` (a state dict, ``WeightPayload`` or list of pairs; an
+        ``ObjectRef`` passed to a Ray actor arrives resolved)."""
+        return self.engine.update_weights(weights)
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{state-dict name: (shape, dtype)}`` of the model's loadable tensors."""
+        return self.engine.weights.spec()
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """``Engine.sleep``: frees the KV cache (level 1) and the weights (level 2)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``Engine.wake_up``."""
+        self.engine.wake_up(tags)
+
+    def reset_prefix_cache(self) -> None:
+        """``Engine.reset_prefix_cache``."""
+        self.engine.reset_prefix_cache()
+
     def process_shard(self, task: Any) -> Any:
         """Runs one job shard (``actors.shard.ShardTask``) through this actor's engine, writes
         its part file and returns the ``ShardResult``. Several calls may run at once (a Ray

@@ -71,6 +71,39 @@ def pack_weights(items: Iterable[tuple[str, torch.Tensor]]) -> WeightPayload:
     return payload
 
 
+def check_tensor(name: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """``value`` as a tensor that can be loaded into a ``shape``/``dtype`` target.
+
+    Raises:
+        TypeError: not a tensor (numpy arrays are accepted).
+        ValueError: another shape, or a dtype that is not a floating-point one castable to
+            ``dtype`` (non-floating dtypes must match).
+    """
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"weights[{name!r}]: expected a tensor, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"weights[{name!r}]: shape {tuple(value.shape)} does not match "
+                         f"the model's {tuple(shape)}")
+    if value.dtype != dtype and not (value.is_floating_point() and dtype.is_floating_point):
+        raise ValueError(f"weights[{name!r}]: dtype {value.dtype} cannot be loaded into the "
+                         f"model's {dtype} (floating-point tensors are cast, others must match)")
+    return value
+
+
+def unknown_names_error(names: list[str], known: Iterable[str]) -> ValueError:
+    """The error for names that are not in the model's state dict (with a close match)."""
+    known = list(known)
+    hints = difflib.get_close_matches(names[0], known, n=1)
+    hint = f" (did you mean {hints[0]!r}?)" if hints else ""
+    return ValueError(
+        f"weights: {len(names)} name(s) not in the model's state dict, e.g. "
+        f"{', '.join(map(repr, names[:5]))}{hint}; names are those of the Hugging Face "
+        f"state dict, e.g. {known[0]!r}")
+
+
 def iter_weights(weights: Any) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` pairs of a mapping, a :class:`WeightPayload` or an iterable of pairs."""
     if isinstance(weights, WeightPayload):
@@ -98,29 +131,21 @@ class WeightLoader:
         self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
 
     # ------------------------------------------------------------------ checks
+    def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype name)}`` of every loadable tensor (for checks elsewhere)."""
+        return {name: (tuple(self._shape(t)), str(t.dtype).replace("torch.", ""))
+                for name, t in self.targets.items()}
+
+    def _shape(self, tensor: torch.Tensor) -> torch.Size:
+        saved = self._shapes.get(id(tensor)) if self.discarded else None
+        return saved[0] if saved is not None else tensor.shape
+
     def _unknown(self, names: list[str]) -> ValueError:
-        hints = difflib.get_close_matches(names[0], list(self.targets), n=1)
-        hint = f" (did you mean {hints[0]!r}?)" if hints else ""
-        return ValueError(
-            f"weights: {len(names)} name(s) not in the model's state dict, e.g. "
-            f"{', '.join(map(repr, names[:5]))}{hint}; names are those of the Hugging Face "
-            f"state dict, e.g. {next(iter(self.targets))!r}")
+        return unknown_names_error(names, self.targets)
 
     def _check(self, name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(value)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"weights[{name!r}]: expected a tensor, got {type(value).__name__}")
         target = self.targets[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"weights[{name!r}]: shape {tuple(value.shape)} does not match "
-                             f"the model's {tuple(target.shape)}")
-        if value.dtype != target.dtype and not (value.is_floating_point()
-                                                and target.is_floating_point()):
-            raise ValueError(f"weights[{name!r}]: dtype {value.dtype} cannot be loaded into "
-                             f"the model's {target.dtype} (floating-point tensors are cast, "
-                             "others must match)")
-        return target, value
+        return target, check_tensor(name, value, tuple(target.shape), target.dtype)
 
     # ------------------------------------------------------------------ loading
     @torch.no_grad()

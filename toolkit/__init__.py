@@ -17,10 +17,11 @@ _LAZY = {
     "run_job": "jobs.runner",
     "submit_job": "toolkit.submit",
     "job_status": "toolkit.submit",
+    "RolloutPool": "toolkit.rollout",
 }
 
-__all__ = ["GenerationOutput", "JobConfig", "JobResult", "SamplingParams", "generate",
-           "job_status", "run_job", "submit_job"]
+__all__ = ["GenerationOutput", "JobConfig", "JobResult", "RolloutPool", "SamplingParams",
+           "generate", "job_status", "run_job", "submit_job"]
 
 
 def __getattr__(name: str):
