@@ -9,6 +9,7 @@ position in its file when the id itself is unusable) and names the field.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from actors import jsonl
 from sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,8 +47,12 @@ class ErrorOutput:
 
 def read_rows(task: ShardTask) -> pa.Table:
     """The shard's input rows ``[row_start, row_stop)`` of its file, every column."""
-    dataset = ds.dataset(task.input_path, format=task.input_format, filesystem=task.input_fs)
     start, stop = task.row_start, task.row_stop
+    if task.input_format == jsonl.FORMAT:
+        table = jsonl.read_range(task.input_fs, task.input_path, task.columns.get("params"),
+                                 start, stop)
+        return _check_count(task, table)
+    dataset = ds.dataset(task.input_path, format=task.input_format, filesystem=task.input_fs)
     pieces, offset = [], 0
     if task.input_format == "parquet":
         fragment = next(iter(dataset.get_fragments()))
@@ -68,10 +74,15 @@ def read_rows(task: ShardTask) -> pa.Table:
             offset += num
             if offset >= stop:
                 break
-    table = pa.concat_tables(pieces) if pieces else dataset.schema.empty_table()
-    if table.num_rows != stop - start:
+    return _check_count(task, pa.concat_tables(pieces) if pieces
+                        else dataset.schema.empty_table())
+
+
+def _check_count(task: ShardTask, table: pa.Table) -> pa.Table:
+    if table.num_rows != task.row_stop - task.row_start:
         raise ValueError(f"shard {task.shard_id}: {task.input_path} has fewer rows than planned "
-                         f"(wanted rows {start}..{stop}); the input changed during the job")
+                         f"(wanted rows {task.row_start}..{task.row_stop}); the input changed "
+                         "during the job")
     return table
 
 
@@ -193,8 +204,21 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
 
 
 def _arrow_params(raw: Any) -> Any:
-    """Undoes what Arrow does to a ``logit_bias`` mapping: a map column reads back as (key,
-    value) pairs, a struct column has a null for every key another row set."""
+    """A params value as SamplingParams should see it. A null field means "not set", as in
+    a struct column, which has a null for every key another row set (so another row's
+    unknown key does not fail this one); the same holds for JSON text, so a row reads the
+    same from a struct or a JSON column. A ``logit_bias`` map column reads back as (key,
+    value) pairs, and a struct one with nulls too."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return raw  # SamplingParams names the JSON error
+        if not isinstance(parsed, dict):
+            return raw
+        raw = parsed
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if v is not None}
     if isinstance(raw, dict) and raw.get("logit_bias") is not None:
         bias = raw["logit_bias"]
         if isinstance(bias, list) and all(isinstance(p, tuple) and len(p) == 2 for p in bias):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from actors import jsonl
 from actors.schema import OUTPUT_COLUMNS, output_schema
 from jobs.config import JobConfig
 from jobs.storage import Location, list_files, resolve
@@ -84,8 +85,9 @@ def _files(config: JobConfig) -> list[tuple[Location, str]]:
 
 
 def _check_type(role: str, name: str, typ: pa.DataType, path: str) -> None:
-    def is_list_of(pred) -> bool:
-        return (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pred(typ.value_type)
+    def is_list_of(pred) -> bool:  # list<null>: JSON lists that are all empty
+        return (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and (
+            pred(typ.value_type) or pa.types.is_null(typ.value_type))
 
     ok = pa.types.is_null(typ) or {
         "prompt": lambda: pa.types.is_string(typ) or pa.types.is_large_string(typ),
@@ -110,6 +112,23 @@ def _open(path_loc: Location, fmt: str) -> ds.Dataset:
         raise ValueError(f"input: cannot read {path_loc.path}: {exc}") from None
 
 
+def _read_schema(loc: Location, fmt: str, params_column: str) -> tuple[str, pa.Schema, int]:
+    """(format, schema, row count) of one file. A JSONL file whose rows pyarrow cannot type
+    as one table is read line by line instead (``actors.jsonl``)."""
+    try:
+        dataset = _open(loc, fmt)
+        return fmt, dataset.schema, dataset.count_rows()
+    except (ValueError, OSError, pa.ArrowException) as exc:
+        if fmt != "json":
+            raise ValueError(f"input: cannot read {loc.path}: {exc}") from None
+        first = str(exc)
+    try:
+        schema, rows = jsonl.scan(loc.fs, loc.path, params_column)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{exc} (pyarrow: {first.splitlines()[-1]})") from None
+    return jsonl.FORMAT, schema, rows
+
+
 def discover(config: JobConfig) -> InputSpec:
     """Lists, opens and checks every input file; builds the output schema."""
     roles = {"id": config.id_column, "prompt": config.prompt_column,
@@ -123,11 +142,7 @@ def discover(config: JobConfig) -> InputSpec:
     present: dict[str, str] = {}
     offset = 0
     for loc, fmt in _files(config):
-        dataset = _open(loc, fmt)
-        try:
-            schema, rows = dataset.schema, dataset.count_rows()
-        except (OSError, pa.ArrowException) as exc:
-            raise ValueError(f"input: cannot read {loc.path}: {exc}") from None
+        fmt, schema, rows = _read_schema(loc, fmt, config.params_column)
         for role, name in roles.items():
             if name in schema.names:
                 _check_type(role, name, schema.field(name).type, loc.path)

@@ -99,8 +99,9 @@ def params_text(draw, row: Row) -> str | None:
                                  st.text(min_size=1, max_size=8)))
         assume(unknown not in FIELD_NAMES or unknown == "best_of")
         data[unknown] = draw(st.sampled_from([1, "x", None, NAN]))
-        refused.append(f"sampling_params.{unknown}" if unknown == "best_of"
-                       else f"unknown field {unknown!r}")
+        if data[unknown] is not None:  # null means "not set", whatever the name
+            refused.append(f"sampling_params.{unknown}" if unknown == "best_of"
+                           else f"unknown field {unknown!r}")
     if refused:
         row.errors.extend([name] for name in refused)
     elif isinstance(data.get("n"), int):

@@ -7,12 +7,15 @@ ids, extra and missing columns. Each shard goes through the actor's code path (P
 - nothing raises; every input row comes out (n rows if good, error rows if bad);
 - every bad row's error starts with ``row id <id> (shard 0): `` (its position when the id
   is null) and names the field that is wrong;
-- the good rows are bit-identical to a clean run of only the good rows.
+- the good rows are bit-identical to a clean run of only the good rows;
+- the same rows as JSONL, params as JSON objects (rows disagreeing on types), give the same
+  rows as the Parquet file.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -22,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from actors.schema import GENERATED_FIELDS
 from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
@@ -73,9 +77,31 @@ def _table(drawn: list[Row]) -> pa.Table:
     return pa.table(columns)
 
 
-def _run_shard(root: Path, model: str, table: pa.Table, server: EngineServer) -> pa.Table:
+def _jsonl(drawn: list[Row], path: Path) -> None:
+    """The rows as JSONL: params as JSON objects where they are one (so rows disagree on
+    types and the line reader of actors/jsonl.py takes over), else as text."""
+    with open(path, "w") as f:
+        for r in drawn:
+            params: object = r.params
+            try:
+                parsed = json.loads(r.params) if r.params is not None else None
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                params = parsed
+            record = {"id": r.id, "prompt": r.prompt, "prompt_token_ids": r.token_ids,
+                      "messages": r.messages, "sampling_params": params, **r.extra}
+            f.write(json.dumps({k: v for k, v in record.items()
+                                if v is not None or k in ("id", "prompt")}) + "\n")
+
+
+def _run_shard(root: Path, model: str, table: pa.Table | list[Row],
+               server: EngineServer) -> pa.Table:
     (root / "in").mkdir(parents=True)
-    pq.write_table(table, root / "in" / "rows.parquet")
+    if isinstance(table, pa.Table):
+        pq.write_table(table, root / "in" / "rows.parquet")
+    else:
+        _jsonl(table, root / "in" / "rows.jsonl")
     config = JobConfig.from_dict({"model": model, "input": str(root / "in"),
                                   "output": str(root / "out"), "rows_per_shard": 100,
                                   "seed": 5, "sampling_params": DEFAULTS, "engine": ENGINE})
@@ -133,6 +159,18 @@ def test_bad_rows_become_error_rows_and_good_rows_equal_a_clean_run(data, engine
             clean = _run_shard(Path(tmp) / "clean", tiny_llama, table.take(good), server)
             mine = pa.Table.from_pylist([o for i in good for o in by_row[i]], schema=part.schema)
             assert_identical(mine, clean)
+        if not any(isinstance(r.prompt, bytes) for r in drawn):  # JSONL holds valid UTF-8
+            lines = _run_shard(Path(tmp) / "jsonl", tiny_llama, drawn, server)
+            names = ["id", *(f.name for f in GENERATED_FIELDS)]
+            assert_identical(_same_paths(lines.select(names)), _same_paths(part.select(names)))
+
+
+def _same_paths(table: pa.Table) -> pa.Table:
+    """The error column with the input file's path left out (rows without an id name it)."""
+    errors = [None if e is None else re.sub(r" of \S+/rows\.(parquet|jsonl) ", " of FILE ", e)
+              for e in table.column("error").to_pylist()]
+    return table.set_column(table.schema.get_field_index("error"), "error",
+                            pa.array(errors, pa.string()))
 
 
 def test_a_jsonl_row_that_breaks_the_file_fails_the_job_before_any_work(tmp_path):

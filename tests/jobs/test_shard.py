@@ -138,3 +138,23 @@ def test_null_id_is_an_error_row_named_by_position(tmp_path):
     assert errors[0] is None
     assert errors[1] == (f"row 1 of {tmp_path / 'in' / 'a.jsonl'} (shard 0): id: the 'id' "
                          "column is null")
+
+
+def test_jsonl_rows_whose_params_disagree_on_types_fail_one_by_one(tmp_path):
+    rows = [{"id": "a", "prompt": "x y", "sampling_params": {"stop": "e", "max_tokens": 2}},
+            {"id": "b", "prompt": "x", "sampling_params": {"stop": ["e", "o"]}},
+            {"id": "c", "prompt": "x", "sampling_params": {"temperature": "hot"}},
+            {"id": "d", "prompt": "x", "sampling_params": "{\"seed\": 3}"},
+            {"id": "e", "prompt": "x", "sampling_params": {"tempature": None, "n": 2}}]
+    write_jsonl(tmp_path / "in" / "a.jsonl", rows)  # pyarrow cannot type this as one table
+    [task] = _tasks(tmp_path, rows_per_shard=10)
+    assert task.input_format == "jsonl-text-params"
+    process_shard(task, EngineServer(FakeEngine()).run)
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    assert part.column("id").to_pylist() == ["a", "b", "c", "d", "e", "e"]
+    errors = part.column("error").to_pylist()
+    assert errors[2] == ("row id 'c' (shard 0): sampling_params.temperature: must be a "
+                         "number, got 'hot'")
+    assert [e for i, e in enumerate(errors) if i != 2] == [None] * 5
+    assert part.column("seed").to_pylist()[3] == 3
+    assert part.column("num_output_tokens").to_pylist()[:2] == [2, 16]
