@@ -51,6 +51,15 @@ class EngineConfig:
         seed: base seed from which unseeded requests' seeds derive.
         prompt_logprobs_chunk: rows per LM-head chunk when scoring prompts.
         revision, tokenizer: optional hub revision and tokenizer path/id.
+        batch_invariant: schedule so that a sequence's attention and sampling never depend
+            on its batch-mates: each step is either one sequence's prefill chunk or a
+            pure-decode batch (never mixed), so every token of a sequence runs the same
+            attention kernel with the same tiling whatever else runs (FlashInfer: split-KV
+            is off; its tensor-core decode tile is fixed for one-token queries). The sampler
+            is per-row already. What stays batch-dependent: the GEMMs of the linear layers
+            and the LM head (their tiling follows the step's token count, padded to the
+            CUDA-graph bucket), and on CPU the torch reference attention (it pads to the
+            longest sequence of the step). Costs prefill throughput (one prompt per step).
     """
 
     dtype: DType = "auto"
@@ -73,6 +82,7 @@ class EngineConfig:
     prompt_logprobs_chunk: int = 1024
     revision: str | None = None
     tokenizer: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -108,7 +118,7 @@ class EngineConfig:
             raise _fail("max_logprobs", "must be an integer >= 0", self.max_logprobs)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise _fail("seed", "must be an integer >= 0", self.seed)
-        for name in ("enable_prefix_caching", "trust_remote_code"):
+        for name in ("enable_prefix_caching", "trust_remote_code", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):

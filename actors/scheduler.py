@@ -9,6 +9,10 @@ Pure Python over ``Sequence`` objects and a ``BlockManager``; no model, no torch
 A request asking for n samples holds n slots from admission; its prompt is computed once and
 the sequence forks into n when its last prompt chunk is scheduled (full pages shared, the
 partial last page copied).
+
+``batch_invariant`` changes the policy: a step is either one sequence's prefill chunk (a
+running prefill first, else one newly admitted sequence) or only decodes, so a sequence's
+attention kernels see the same shapes whatever its batch-mates.
 """
 
 from __future__ import annotations
@@ -69,8 +73,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        batch_invariant: bool = False,
     ):
         self.bm = block_manager
+        self.batch_invariant = batch_invariant
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,9 +112,33 @@ class Scheduler:
                 decodes.append(s)
             elif left > 1:
                 prefills.append(s)
+        if self.batch_invariant:
+            return self._schedule_invariant(decodes, prefills, out)
+        budget = self._schedule_running(itertools.chain(decodes, prefills), budget, out)
+        if not out.preempted:
+            self._admit(budget, out)
+        self.stats.num_steps += 1
+        return out
+
+    def _schedule_invariant(self, decodes: list[Sequence], prefills: list[Sequence],
+                            out: SchedulerOutput) -> SchedulerOutput:
+        """One prefill chunk alone (a running prefill, else one admission), else decodes."""
+        budget = self.max_num_batched_tokens
+        if prefills:
+            self._schedule_running(prefills[:1], budget, out)
+        elif self.waiting:
+            self._admit(budget, out, limit=1)
+        if not out.chunks and not out.preempted:
+            self._schedule_running(decodes, budget, out)
+        self.stats.num_steps += 1
+        return out
+
+    def _schedule_running(self, seqs, budget: int, out: SchedulerOutput) -> int:
+        """Schedules running sequences in order while the budget lasts; returns what is
+        left of it."""
         bm, bs, max_len = self.bm, self.block_size, self.max_model_len
         running = SeqStatus.RUNNING
-        for seq in itertools.chain(decodes, prefills):  # inlined per-sequence checks:
+        for seq in seqs:  # inlined per-sequence checks:
             if budget == 0:                              # this loop runs for every running
                 break                                    # sequence at every step
             if seq.status is not running:
@@ -135,10 +165,7 @@ class Scheduler:
                     continue
             self._schedule_chunk(seq, num_new, need, out)
             budget -= num_new
-        if not out.preempted:
-            self._admit(budget, out)
-        self.stats.num_steps += 1
-        return out
+        return budget
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence | None:
         for seq in reversed(self.running):
@@ -146,9 +173,9 @@ class Scheduler:
                 return seq
         return None
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, limit: int | None = None) -> None:
         bs = self.block_size
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and (limit is None or len(out.admitted) < limit):
             seq = self.waiting[0]
             if seq.num_pending or len(self.free_slots) < seq.fanout:
                 break

@@ -95,7 +95,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
         BlockManager(num_blocks, bs, config.enable_prefix_caching),
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len, batch_invariant=config.batch_invariant)
     sampler = Sampler(config.max_num_seqs, loaded.vocab_size, device=device,
                       eos_token_ids=[t for t in loaded.eos_token_ids if t < loaded.vocab_size],
                       max_logprobs=config.max_logprobs, backend=config.sampler_backend)
