@@ -80,9 +80,9 @@ class StepExecutor:
             if timer is not None:
                 timer.mark("sample")
             wants_extra = any(seq.request.token_logprobs for seq in sched.sample_seqs)
-            # the torch pipeline overwrites float32 logits: keep the raw ones for the extras
-            raw = logits.clone() if wants_extra and logits.dtype == torch.float32 \
-                and self.sampler.backend == "torch" else logits
+            # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
+            # backend's fallback): keep the raw ones for the extra logprobs
+            raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
             out = self.sampler.sample(logits, slots)
             if wants_extra:
                 step.token_logprobs = self._token_logprobs(raw, out.token_ids, sched.sample_seqs)

@@ -68,10 +68,15 @@ def test_columns_are_absent_unless_asked_and_survive_preemption(tiny_llama, hf_r
 
 
 def test_triton_sampler_backend_gives_the_same_columns(tiny_llama, hf_reference):
+    """Also when a processed-mode row sends the step to the torch fallback (in place)."""
     engine = make_engine(tiny_llama, sampler_backend="triton")
-    prompt = random_prompts([9], 500, seed=33)[0]
-    params = {"temperature": 0.8, "top_p": 0.9, "seed": 2, "max_tokens": 6, "n": 2}
-    outs = engine.generate([(0, prompt, params)], token_logprobs=True)
+    prompts = random_prompts([9, 5], 500, seed=33)
+    params = [{"temperature": 0.8, "top_p": 0.9, "seed": 2, "max_tokens": 6, "n": 2},
+              {"temperature": 0.5, "top_k": 9, "seed": 4, "max_tokens": 6, "logprobs": 0,
+               "logprobs_mode": "processed_logprobs"}]
+    outs = engine.generate([(i, p, params[i]) for i, p in enumerate(prompts)],
+                           token_logprobs=True)
     model = hf_reference(tiny_llama)
+    assert len(outs) == 3
     for out in outs:
-        check_against_hf(model, prompt, out, 0.8)
+        check_against_hf(model, prompts[out.id], out, params[out.id]["temperature"])
