@@ -83,17 +83,31 @@ def test_sleep_refuses_a_busy_engine_and_bad_arguments(tiny_llama, prompts):
     assert not engine.memory.is_sleeping
 
 
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)  # head_dim 64: FlashInfer and CUDA graphs
+
+
 @pytest.mark.gpu
-def test_gpu_sleep_returns_the_kv_memory_and_graphs_are_recaptured(tiny_llama, prompts):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sleep_returns_the_kv_memory_and_graphs_are_recaptured(tiny_model_factory,
+                                                                   prompts):
     """On CUDA: >= 90% of the KV pool shows up as free device memory after sleep(), and the
-    decode graphs captured again at wake-up give the same outputs."""
-    engine = make_engine(tiny_llama, device="cuda", dtype="bfloat16", num_kv_blocks=4096)
+    decode graphs captured again at wake-up give the same outputs, also after level 2."""
+    path = tiny_model_factory("qwen2", **GPU_SHAPE)
+    engine = make_engine(path, device="cuda", dtype="bfloat16", num_kv_blocks=65536)
+    graphs = engine.info()["cuda_graphs"]
     before = greedy_outputs(engine, prompts)
+    state = {k: v.clone() for k, v in engine.loaded.model.state_dict().items()}
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
     freed = engine.sleep(1)
     free1, _ = torch.cuda.mem_get_info()
     assert free1 - free0 >= 0.9 * freed["kv_cache"] > 0
     engine.wake_up()
-    assert (engine.executor.runner.graphs is not None) == bool(engine.info()["cuda_graphs"])
+    assert engine.info()["cuda_graphs"] == graphs
+    assert greedy_outputs(engine, prompts) == before
+    engine.sleep(2)
+    engine.wake_up()
+    engine.update_weights(state)
+    assert engine.info()["cuda_graphs"] == graphs
     assert greedy_outputs(engine, prompts) == before
