@@ -29,6 +29,7 @@ Where differences come from and what ``batch_invariant`` removes:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -111,6 +112,7 @@ def run_setting(path: str, name: str, vocab: int, invariant: bool, args) -> dict
         "attention_backend": engine.info()["attention_backend"],
         "cuda_graphs": engine.info()["cuda_graphs"], "probes": per_probe}
     del engine
+    gc.collect()  # the runner and its CUDA graphs reference each other
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -106,6 +106,7 @@ def bench_update(path: str, model, args) -> dict:
         e2e = timed(lambda: engine.update_weights(pack_weights(host.items())), args.reps)
         out.update(end_to_end_s=statistics.median(e2e))
         del engine
+        gc.collect()
     from actors.engine import Engine
 
     engine = Engine(path, engine_options(args.dtype, **SMALL_KV))  # device-to-device floor
@@ -113,6 +114,7 @@ def bench_update(path: str, model, args) -> dict:
     out["device_to_device_s"] = statistics.median(floor)
     out["end_to_end_gib_s"] = out["gib"] / out["end_to_end_s"]
     del engine, host, device_state
+    gc.collect()
     return out
 
 
@@ -167,6 +169,7 @@ def bench_sleep(path: str, size: dict, args) -> dict:
         out["kv_freed_fraction"] = (free1 - free0) / kv_bytes
         out["level2_freed_fraction"] = (free2 - free2a) / (kv_bytes + freed2["weights"])
     del engine, state
+    gc.collect()
     return out
 
 
@@ -186,6 +189,7 @@ def bench_parity(path: str, size: dict, args) -> dict:
     outs = engine.generate([(i, p, {**params, "seed": i}) for i, p in enumerate(prompts)],
                            token_logprobs=True)
     del engine
+    gc.collect()
     refs = {}
     for name, dtype in (("same_dtype", getattr(torch, args.dtype)), ("float32", torch.float32)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
