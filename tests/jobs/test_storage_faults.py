@@ -3,13 +3,17 @@ job. The job ends with one clear ``output: ...`` error naming the errno, the man
 valid, and a rerun, once the storage is healthy again, resumes from it (committed shards
 skipped) and ends with the rows of a clean run.
 
-Each fault runs on a real tmpfs when this machine lets the test mount one, and always on the
-simulated storage of ``tests/jobs/faultfs.py`` (same faults through an fsspec filesystem).
+Each fault runs on a real tmpfs when this machine lets the test mount one (root in a
+privileged container), else on the simulated storage of ``tests/jobs/faultfs.py`` (the same
+faults through an fsspec filesystem); ``test_simulated_storage_fails_like_a_disk`` checks
+the simulation itself everywhere.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import re
 import threading
 import time
@@ -55,14 +59,13 @@ def clean(tiny_llama, tmp_path_factory):
     return root / "in", read_output(root / "clean")
 
 
-@pytest.fixture(params=["tmpfs", "simulated"])
-def storage(request, tmp_path):
-    if request.param == "tmpfs":
-        try:
-            store = TmpfsStorage(tmp_path)
-        except (PermissionError, OSError) as exc:
-            pytest.skip(f"no tmpfs here ({exc}); the simulated storage covers the same faults")
-    else:
+@pytest.fixture
+def storage(tmp_path):
+    """A real tmpfs where this machine lets the test mount one, else the simulated one."""
+    try:
+        store = TmpfsStorage(tmp_path)
+    except (PermissionError, OSError) as exc:
+        logging.getLogger(__name__).info("no tmpfs (%s): simulated storage", exc)
         store = SimulatedStorage(tmp_path)
     yield store
     store.close()
@@ -108,3 +111,31 @@ def test_storage_fault_mid_job_ends_clearly_and_rerun_resumes(ray_local, clean, 
     assert (storage.out_dir / SUCCESS).exists()
     assert not [p for p in storage.out_dir.iterdir() if p.name.startswith(".")]
     assert read_output(storage.out_dir).equals(clean_table)
+
+
+def test_simulated_storage_fails_like_a_disk(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.storage import write_atomic
+
+    store = SimulatedStorage(tmp_path)
+    loc = resolve(store.output)
+    loc.fs.create_dir(loc.path)
+    write_atomic(loc.fs, loc.join("a"), b"fine")
+    store.fail("full")
+    with pytest.raises(OSError) as full:
+        pq.write_table(pa.table({"x": [1]}), loc.join("b.parquet"), filesystem=loc.fs)
+    assert full.value.errno == errno.ENOSPC or MESSAGES["full"] in str(full.value)
+    loc.fs.move(loc.join("a"), loc.join("c"))  # a full disk still renames
+    store.fail("readonly")
+    for action in (lambda: loc.fs.move(loc.join("c"), loc.join("d")),
+                   lambda: loc.fs.delete_file(loc.join("c")),
+                   lambda: write_atomic(loc.fs, loc.join("e"), b"x")):
+        with pytest.raises(OSError, match=MESSAGES["readonly"]):
+            action()
+    store.heal()
+    write_atomic(loc.fs, loc.join("e"), b"back")
+    names = {p.name for p in store.out_dir.iterdir()}
+    assert {"c", "e"} <= names and not {"a", "d"} & names
+    assert (store.out_dir / "e").read_bytes() == b"back"
