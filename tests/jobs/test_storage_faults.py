@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -61,8 +62,11 @@ def clean(tiny_llama, tmp_path_factory):
 
 @pytest.fixture
 def storage(tmp_path):
-    """A real tmpfs where this machine lets the test mount one, else the simulated one."""
+    """A real tmpfs where this machine lets the test mount one, else (or with
+    ``RAYGEN_TEST_STORAGE=simulated``) the simulated one."""
     try:
+        if os.environ.get("RAYGEN_TEST_STORAGE") == "simulated":
+            raise PermissionError("RAYGEN_TEST_STORAGE=simulated")
         store = TmpfsStorage(tmp_path)
     except (PermissionError, OSError) as exc:
         logging.getLogger(__name__).info("no tmpfs (%s): simulated storage", exc)
