@@ -256,10 +256,11 @@ class Engine:
         """
         with self._step_lock:
             self._quiesce("update_weights")
-            stats = self.weights.load(weights)
-            self.scheduler.bm.reset_prefix_cache()
-            self._blocked = self.memory.blocked_reason()
-            return stats
+            try:
+                return self.weights.load(weights)
+            finally:  # also after a partial (iterator) update that failed midway
+                self.scheduler.bm.reset_prefix_cache()
+                self._blocked = self.memory.blocked_reason()
 
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Frees device memory of an idle engine: level 1 the KV cache, level 2 also the
