@@ -88,6 +88,7 @@ class SamplerState:
         self.has_penalties = np.zeros(s, dtype=bool)
         self.has_bad_words = np.zeros(s, dtype=bool)
         self.has_bias = np.zeros(s, dtype=bool)
+        self.has_seed = np.zeros(s, dtype=bool)  # the request set its own seed (params.seed)
         self.fparams_host = np.tile(np.array(_NEUTRAL_F, dtype=np.float32), (s, 1))
         self.iparams_host = np.tile(np.array(_NEUTRAL_I, dtype=np.int64), (s, 1))
         self.fparams = torch.from_numpy(self.fparams_host.copy()).to(device)
@@ -157,6 +158,7 @@ class SamplerState:
 
         bias = params.logit_bias or {}
         self.has_bias[slot] = bool(bias)
+        self.has_seed[slot] = params.seed is not None
         if len(bias) > self.bias_ids_host.shape[1]:
             shape = (self.max_num_seqs, len(bias))
             self.bias_ids_host = _grow(self.bias_ids_host, shape, 0)
@@ -193,6 +195,7 @@ class SamplerState:
         """Frees ``slot``: host flags and parameters return to neutral values."""
         self.active[slot] = False
         self.has_penalties[slot] = self.has_bad_words[slot] = self.has_bias[slot] = False
+        self.has_seed[slot] = False
         self.fparams_host[slot] = _NEUTRAL_F
         self.iparams_host[slot] = _NEUTRAL_I
         self._params_dirty = True
