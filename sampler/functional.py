@@ -86,7 +86,7 @@ def sample_logits(
         max_logprobs = vocab
     if noise_precision not in ("fp32", "fp64"):
         raise ValueError(f"noise_precision: must be 'fp32' or 'fp64', got {noise_precision!r}")
-    run = pipeline_fn(resolve_backend(backend, logits.device))
+    run = pipeline_fn(resolve_backend(backend, logits.device), logits.device)
 
     state = SamplerState(max(rows, 1), vocab, logits.device, list(dict.fromkeys(eos)))
     for row, p in enumerate(params):

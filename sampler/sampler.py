@@ -72,7 +72,7 @@ class Sampler:
         eos = as_token_array("eos_token_ids", list(eos_token_ids), vocab_size).tolist()
         self.eos_token_ids = list(dict.fromkeys(eos))
         self.backend = resolve_backend(backend, self.device)
-        self._run = pipeline_fn(self.backend)
+        self._run = pipeline_fn(self.backend, self.device)
         self.state = SamplerState(self.max_num_seqs, self.vocab_size, self.device,
                                   self.eos_token_ids)
 

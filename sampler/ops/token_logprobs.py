@@ -57,7 +57,9 @@ def compute_token_logprobs(
         token_ids: ``[rows]`` int64, the token of each row (e.g. the sampled one).
         temperature: ``[rows]`` float32, each row's temperature (> 0; pass 1 for greedy rows).
         backend: "torch" (reference, any device) or "triton" (one pass over each row, no
-            float32 copy of the logits; CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+            float32 copy of the logits; CUDA, or the CPU under ``TRITON_INTERPRET=1``);
+            "flashinfer" (a Sampler's backend name) means "triton" where available, else
+            "torch".
 
     Returns:
         ``(raw_logprobs, temperature_logprobs)``, two ``[rows]`` float32 tensors:
@@ -70,6 +72,10 @@ def compute_token_logprobs(
         (-0.4076, -0.7784)
     """
     _check(logits, token_ids, temperature)
+    if backend == "flashinfer":  # the Sampler's backend name: its logprobs are ours
+        from sampler.backends import fallback_backend
+
+        backend = fallback_backend(logits.device)
     if backend == "torch":
         return compute_token_logprobs_torch(logits, token_ids, temperature)
     if backend == "triton":
