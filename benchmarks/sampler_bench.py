@@ -15,8 +15,9 @@ the same logits (top-k 50, top-p 0.9) as a reference column.
     python benchmarks/sampler_bench.py --device cuda --batch-sizes 1,32,256 \
         --vocab-sizes 32000,151936 --json docs/sampler_bench_h200.json
 
-Backends are columns: each entry of ``BACKENDS`` builds a Sampler for one backend; one that
-this build or machine lacks is reported as skipped.
+Backends are columns: each entry of ``BACKENDS`` builds a Sampler for one backend ("flashinfer"
+is our whole pipeline on the FlashInfer backend; its records count the steps that fell back);
+one that this build or machine lacks is reported as skipped.
 """
 
 from __future__ import annotations
@@ -176,9 +177,10 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
     rng = random.Random(batch * 7 + vocab)
     for slot in range(batch):
         req = _workload(workload, slot, vocab, rng)
-        sampler.add_request(slot, req["params"], req.get("prompt", [1, 2, 3]),
-                            seed=req["params"].seed,
-                            bad_words_token_ids=req.get("bad_words", ()))
+        params = req["params"]  # the request sets no seed of its own (the slot gets the
+        # derived one): a request's own seed would keep the flashinfer backend off the step
+        sampler.add_request(slot, params.replace(seed=-1), req.get("prompt", [1, 2, 3]),
+                            seed=params.seed, bad_words_token_ids=req.get("bad_words", ()))
     slots = torch.arange(batch, dtype=torch.int64)
     g = torch.Generator(device="cpu").manual_seed(0)
     source = (torch.randn(batch, vocab, generator=g) * 3).to(device=device, dtype=dtype)
@@ -193,6 +195,8 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
         if step >= warmup:
             times.append(elapsed * 1e3)
     times.sort()
+    if hasattr(sampler._run, "num_fallback_steps"):  # flashinfer: steps it left to triton/torch
+        record["fallback_steps"] = sampler._run.num_fallback_steps
     record.update({"iters": iters, "median_ms": statistics.median(times),
                    "p10_ms": times[len(times) // 10], "p90_ms": times[(len(times) * 9) // 10]})
     if device.type == "cuda":
