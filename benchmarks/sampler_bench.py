@@ -138,9 +138,10 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][n][f][pSPLIT][vVEC]`` selects a launch config of the fused
+    """``triton@BLOCKxWARPS[xCAP][n][f][s][pSPLIT][vVEC]`` selects a launch config of the fused
     kernel (a tuning sweep): n = per-lane bin counts instead of tl.histogram, f = no skipping
-    of empty tiles in the sampling pass, pSPLIT = pass 1 as a separate kernel over vocab
+    of empty tiles in the sampling pass, s = the exact selection passes always (no
+    draw-then-verify), pSPLIT = pass 1 as a separate kernel over vocab
     chunks of SPLIT tokens, vVEC = tokens per thread and tile row."""
     import re
 
@@ -149,11 +150,11 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nf]*)(?:p(\d+))?(?:v(\d+))?", spec)
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfs]*)(?:p(\d+))?(?:v(\d+))?", spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
-                      skip="f" not in m[4])
+                      skip="f" not in m[4], fast="s" not in m[4])
             if m[3]:
                 kw["cap"] = int(m[3])
             if m[5]:

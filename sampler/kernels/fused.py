@@ -175,6 +175,83 @@ def _read_cands(cand, n, CAP: tl.constexpr):
     return tl.load(cand + jj, mask=jj < n, other=-9223372036854775807 - 1, cache_modifier=".cg")
 
 
+GUMBEL_MAX: tl.constexpr = tl.constexpr(24.0)  # bound on _gumbel's values (22.9 at most)
+
+
+@triton.jit
+def _draw_then_verify(
+    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, seed, sidx, pos,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """Top-k alone or top-p alone in two passes for most rows: the Gumbel-max draw ``x`` over
+    the min-p survivors, then one pass that decides whether ``x`` is in the kept set.
+
+    The Gumbel-max over a subset that contains the unrestricted winner is that winner, so when
+    ``x`` is kept it is exactly the draw over the kept set (same noise, same tie rule). ``x``
+    is kept by top-k iff fewer than k survivors are strictly greater; by top-p iff it is the
+    largest, or the mass strictly above it is ``< p`` of the survivors' mass (the tie-extended
+    prefix rule of SAMPLER_SPEC section 2). Returns (token, kept); a row whose draw is not
+    kept takes the exact selection path. Tiles whose largest value cannot beat the best score
+    so far even with the largest possible noise skip the noise."""
+    NEG = float("-inf")
+    BLOCK: tl.constexpr = R * VEC
+    lane = tl.arange(0, R)
+    col = tl.arange(0, VEC)[None, :]
+    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+    acc_sv = tl.full([R], NEG, tl.float32)
+    acc_si = tl.zeros([R], dtype=tl.int32)
+    acc_ss = tl.full([R], NEG, tl.float32)
+    for start in range(0, V, BLOCK):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
+            freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        s = tl.math.div_rn(x, T)
+        kept = (s >= thr) & (s > NEG)
+        s = tl.where(kept, s, NEG)
+        if tl.max(tl.max(s, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
+            score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
+            am = tl.argmax(score, 1)
+            tv = tl.max(score, 1)
+            ts = tl.sum(tl.where(col == am[:, None], s, 0.0), 1)
+            upd = tv > acc_sv
+            acc_sv = tl.where(upd, tv, acc_sv)
+            acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
+            acc_ss = tl.where(upd, ts, acc_ss)
+    best = tl.max(acc_sv, 0)
+    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
+    s_x = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
+    # ---- verify: survivors strictly above s_x (count, mass) and the survivors' mass
+    acc_c = tl.zeros([R], dtype=tl.int32)
+    acc_g = tl.zeros([R], dtype=tl.float32)
+    acc_z = tl.zeros([R], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
+            freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        s = tl.math.div_rn(x, T)
+        valid = (s >= thr) & (s > NEG)
+        gt = valid & (s > s_x)
+        acc_c += tl.sum(gt.to(tl.int32), 1)
+        if not k_on:
+            e = tl.exp(s - m_s)
+            acc_g += tl.sum(tl.where(gt, e, 0.0), 1)
+            acc_z += tl.sum(tl.where(valid, e, 0.0), 1)
+    n_gt = tl.sum(acc_c, 0)
+    ok_k = n_gt <= top_k - 1
+    ok_p = (n_gt == 0) | (tl.sum(acc_g, 0) < top_p * tl.sum(acc_z, 0))
+    ok = tl.where(k_on, ok_k, ok_p) & (best > NEG)
+    return tok, ok
+
+
 @triton.jit
 def _fused_sampler_kernel(
     logits_ptr, stride_row, V, W,
@@ -192,6 +269,7 @@ def _fused_sampler_kernel(
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -244,8 +322,22 @@ def _fused_sampler_kernel(
     lse_r = _lse(acc_mr, acc_lr)
     lse_t = _lse(acc_mt, acc_lt)
 
-    # ---------------------------------------------------------------- selection state machines
+    # ---------------------------------------------------------------- draw first, then verify
     thr = m_s + log_min_p
+    fast_done = False
+    fast_tok = 0
+    if FAST & ANY_RANDOM & ANY_SEL:
+        fk_on = (top_k > 0) & (top_k < V)
+        fp_on = top_p < 1.0
+        if (not greedy) & (fk_on != fp_on):
+            fast_tok, fast_done = _draw_then_verify(
+                base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, seed, sidx, pos,
+                pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+                bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+                ban_ptr, NBAN, allowed_ptr, row_allowed,
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+
+    # ---------------------------------------------------------------- selection state machines
     v_k = NEG
     v_p = NEG
     from_cands = False
@@ -261,7 +353,7 @@ def _fused_sampler_kernel(
     if ANY_SEL | ANY_RK:
         k_on = (top_k > 0) & (top_k < V)
         p_on = top_p < 1.0
-        sel_on = (not greedy) & (k_on | p_on)
+        sel_on = (not greedy) & (k_on | p_on) & (not fast_done)
         # P phases: 0 top-k refine, 1 top-k gather, 2 top-p refine, 3 top-p gather, 4 done
         p_phase = tl.where(sel_on, tl.where(k_on, 0, 2), 4)
         p_lo = 0.0
@@ -443,7 +535,9 @@ def _fused_sampler_kernel(
             v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
             k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
             k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-            if sel_on & from_cands:
+            if fast_done:
+                tok = fast_tok
+            elif sel_on & from_cands:
                 ii = tl.arange(0, CAP)
                 keys = tl.load(cand_p + ii, cache_modifier=".cg")
                 vals = _key_value(keys)

@@ -40,6 +40,7 @@ class LaunchConfig:
     hist: bool = True  # bin counts through tl.histogram (else per-lane sums)
     skip: bool = True  # the full sampling pass skips tiles with nothing kept
     split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
+    fast: bool = True  # top-k alone / top-p alone: draw over the min-p survivors, then verify
 
 
 _config_override: LaunchConfig | None = None
@@ -156,7 +157,8 @@ def run_pipeline_triton(
         inplace: accepted for the torch path's contract (the kernel never writes logits).
         precision: Gumbel noise precision; "fp64" runs the torch path.
         thresholds: optional ``[rows]`` float32 output: each random row's kept-set threshold
-            (keep t iff processed logit / T >= threshold), for tests.
+            (keep t iff processed logit / T >= threshold), for tests; asking for it turns the
+            draw-then-verify path off (that path never computes the threshold).
         scratch: optional dict that receives the kernel's candidate lists and counters
             (debugging aid).
 
@@ -217,7 +219,8 @@ def run_pipeline_triton(
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=cfg.split > 0,
-        NCP2=triton.next_power_of_2(nchunk), num_warps=cfg.num_warps,
+        NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
+        num_warps=cfg.num_warps,
     )
     if scratch is not None:
         scratch.update(cand=cand, counters=counters, cap=cfg.cap)

@@ -67,6 +67,9 @@ def both_backends(sampler: Sampler, slots: np.ndarray, logits: torch.Tensor):
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
     thresholds = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
     out = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thresholds)
+    # without thresholds, top-k-alone and top-p-alone rows draw first and verify the draw
+    fast = run_pipeline_triton(logits, idx, state, plan, inplace=False)
+    assert_same(out, fast)
     return ref, out, thresholds, plan
 
 
@@ -146,6 +149,36 @@ def test_edge_rows():
     ref, out, _, _ = both_backends(sampler, np.arange(len(specs)), logits)
     assert_same(ref, out)
 
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_draw_then_verify_takes_both_branches(ties):
+    """Top-k-alone and top-p-alone rows: the unrestricted draw is kept for some rows and
+    rejected for others (the exact selection path then runs); tokens equal torch's."""
+    vocab, rows = 200, 12
+    sampler = Sampler(rows, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
+    for slot in range(rows):
+        params = (SamplingParams(temperature=1.0, top_p=(0.3, 0.7, 0.95)[slot % 3],
+                                 min_p=0.01 if slot % 4 == 0 else 0.0, seed=slot)
+                  if slot % 2 else SamplingParams(temperature=1.0, top_k=(2, 10, 40)[slot % 3],
+                                                  seed=slot, logprobs=3))
+        sampler.add_request(slot, params, [1], seed=slot)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 0.5
+    if ties:
+        logits = torch.round(logits * 4) / 4
+    logits = logits.to(DEVICE)
+    slots = np.arange(rows)
+    ref, out, _, plan = both_backends(sampler, slots, logits)
+    assert_same(ref, out)
+    # the draw without top-k / top-p: where it equals the sampled token the draw was kept
+    state = sampler.state
+    unrestricted = run_pipeline(logits.clone(), torch.as_tensor(slots, device=DEVICE), state,
+                                plan.__class__(**{**{f: getattr(plan, f) for f in plan.__slots__},
+                                                  "do_top_k": False, "do_top_p": False}),
+                                inplace=True)
+    kept = (unrestricted.token_ids == ref.token_ids).cpu()
+    for parity in (0, 1):
+        assert 0 < int(kept[parity::2].sum()) < rows // 2, (parity, kept)
 
 def test_seeded_draw_independent_of_batch():
     """The same seeded row gives the same token alone and in a batch, in another slot."""
