@@ -180,23 +180,25 @@ GUMBEL_MAX: tl.constexpr = tl.constexpr(24.0)  # bound on _gumbel's values (22.9
 
 @triton.jit
 def _draw_then_verify(
-    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, seed, sidx, pos,
+    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, seed, sidx, pos,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
-    """Top-k alone or top-p alone in two passes for most rows: the Gumbel-max draw ``x`` over
-    the min-p survivors, then one pass that decides whether ``x`` is in the kept set.
+    """Top-k / top-p in two passes for most rows: the Gumbel-max draw ``x`` over the min-p
+    survivors, then one pass that decides whether ``x`` is in the kept set.
 
     The Gumbel-max over a subset that contains the unrestricted winner is that winner, so when
     ``x`` is kept it is exactly the draw over the kept set (same noise, same tie rule). ``x``
     is kept by top-k iff fewer than k survivors are strictly greater; by top-p iff it is the
-    largest, or the mass strictly above it is ``< p`` of the survivors' mass (the tie-extended
-    prefix rule of SAMPLER_SPEC section 2). Returns (token, kept); a row whose draw is not
-    kept takes the exact selection path. Tiles whose largest value cannot beat the best score
-    so far even with the largest possible noise skip the noise."""
+    largest, or the mass strictly above it is ``< p`` of the mass top-k keeps (the
+    tie-extended prefix rule of SAMPLER_SPEC section 2). With both on, that mass is known
+    here only when top-k keeps every survivor (at most k of them); otherwise, and for a draw
+    that is not kept, the row takes the exact selection path (returns kept = False). Tiles
+    whose largest value cannot beat the best score so far even with the largest possible
+    noise skip the noise."""
     NEG = float("-inf")
     BLOCK: tl.constexpr = R * VEC
     lane = tl.arange(0, R)
@@ -229,6 +231,7 @@ def _draw_then_verify(
     s_x = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
     # ---- verify: survivors strictly above s_x (count, mass) and the survivors' mass
     acc_c = tl.zeros([R], dtype=tl.int32)
+    acc_n = tl.zeros([R], dtype=tl.int32)
     acc_g = tl.zeros([R], dtype=tl.float32)
     acc_z = tl.zeros([R], dtype=tl.float32)
     for start in range(0, V, BLOCK):
@@ -241,14 +244,17 @@ def _draw_then_verify(
         valid = (s >= thr) & (s > NEG)
         gt = valid & (s > s_x)
         acc_c += tl.sum(gt.to(tl.int32), 1)
-        if not k_on:
+        if p_on:
+            acc_n += tl.sum(valid.to(tl.int32), 1)
             e = tl.exp(s - m_s)
             acc_g += tl.sum(tl.where(gt, e, 0.0), 1)
             acc_z += tl.sum(tl.where(valid, e, 0.0), 1)
     n_gt = tl.sum(acc_c, 0)
-    ok_k = n_gt <= top_k - 1
-    ok_p = (n_gt == 0) | (tl.sum(acc_g, 0) < top_p * tl.sum(acc_z, 0))
-    ok = tl.where(k_on, ok_k, ok_p) & (best > NEG)
+    ok_k = (not k_on) | (n_gt <= top_k - 1)
+    known_z = (not k_on) | (tl.sum(acc_n, 0) <= top_k)
+    in_p = (n_gt == 0) | (tl.sum(acc_g, 0) < top_p * tl.sum(acc_z, 0))
+    ok_p = (not p_on) | (known_z & in_p)
+    ok = ok_k & ok_p & (best > NEG)
     return tok, ok
 
 
@@ -329,9 +335,9 @@ def _fused_sampler_kernel(
     if FAST & ANY_RANDOM & ANY_SEL:
         fk_on = (top_k > 0) & (top_k < V)
         fp_on = top_p < 1.0
-        if (not greedy) & (fk_on != fp_on):
+        if (not greedy) & (fk_on | fp_on):
             fast_tok, fast_done = _draw_then_verify(
-                base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, seed, sidx, pos,
+                base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, fp_on, seed, sidx, pos,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,

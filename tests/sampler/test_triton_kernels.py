@@ -153,13 +153,15 @@ def test_edge_rows():
 
 @pytest.mark.parametrize("ties", [False, True])
 def test_draw_then_verify_takes_both_branches(ties):
-    """Top-k-alone and top-p-alone rows: the unrestricted draw is kept for some rows and
-    rejected for others (the exact selection path then runs); tokens equal torch's."""
+    """Top-k / top-p rows: the unrestricted draw is kept for some rows and rejected for others
+    (the exact selection path then runs); tokens equal torch's."""
     vocab, rows = 200, 12
     sampler = Sampler(rows, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
     for slot in range(rows):
+        # odd slots: top-p, with top-k too where min-p leaves at most k survivors
         params = (SamplingParams(temperature=1.0, top_p=(0.3, 0.7, 0.95)[slot % 3],
-                                 min_p=0.01 if slot % 4 == 0 else 0.0, seed=slot)
+                                 top_k=150 if slot % 4 == 1 else 0,
+                                 min_p=0.3 if slot % 4 == 1 else 0.0, seed=slot)
                   if slot % 2 else SamplingParams(temperature=1.0, top_k=(2, 10, 40)[slot % 3],
                                                   seed=slot, logprobs=3))
         sampler.add_request(slot, params, [1], seed=slot)
