@@ -1,0 +1,553 @@
+"""Job benchmark: a Parquet job through ``raygen run`` on 1 and 2 GPUs, next to the bare engine.
+
+One invocation:
+
+1. builds a Qwen2-0.5B-shaped model with random bf16 weights (``save_pretrained``, plus a small
+   trained tokenizer; ``benchmarks/e2e_bench.py``'s builder) and writes a Parquet input of
+   ``--rows`` rows (default 4,096): 128 random prompt token ids each, an id, a passthrough
+   column and per-row ``sampling_params`` mixing greedy, temperature + top-p, top-k, min-p,
+   explicit seeds and logprobs 0 / 5 / 20; every row makes exactly 128 tokens (``ignore_eos``),
+   so throughput compares with e2e_bench's ``qwen2-0.5b-128`` workload;
+2. runs the bare engine in a child process on the same rows (the job's own row reader, so
+   identical params and derived seeds) with the same engine options as the job's actors,
+   after a short warm-up, and reports output tok/s;
+3. runs the job the way a user does: ``python -m toolkit.cli run job.yaml`` (the ``raygen``
+   console script) in a subprocess that starts its own local Ray on 127.0.0.1, 1 actor with
+   ``num_gpus_per_actor: 1``; checks the output (DESIGN.md's schema, one row per input id,
+   128 tokens each, logprobs exactly where asked) and reports output tok/s over the
+   generation window (first actor ready -> "job finished", timestamped from the log as it
+   streams) and end to end (the whole command, Ray start and model load included);
+4. with 2 GPUs visible (``--max-actors 2``): the same job on 2 actors (ratio to 1 actor), then
+   again while one actor process is SIGKILLed once the first shard is committed (what an OOM
+   kill or a crash does; Ray reports the actor dead, the driver replaces it and retries its
+   shards): ids one-to-one with the input, no duplicates, rows identical to the clean 2-actor
+   run, retries counted from the manifest;
+5. writes ``--out/job_bench.json`` and prints a summary; exits 1 if a check failed.
+
+Settings (and why). ``deterministic: true`` (the default a user gets; it is also what makes the
+killed run comparable to the clean one bit for bit) runs one shard at a time per actor, so
+a shard is all the engine holds: ``rows_per_shard`` must be at least ``max_num_seqs`` or the
+engine never fills. With ``max_num_seqs`` 1,024 (as e2e_bench) and ``rows_per_shard`` 1,024,
+each shard is one full wave; what deterministic mode costs over the bare engine is one
+prefill ramp and one decode tail per shard (with a 32,768-token step budget the ramp is 4
+steps of ~130), a few percent. Bigger shards would amortise that but leave nothing to
+balance or to retry in pieces on 2 actors (4,096 rows = 4 shards: 2 per actor, the second
+already queued on the actor while the first runs). ``deterministic: false`` lets the next
+shard fill the engine during the previous one's tail; an extra 1-actor run measures it (skip
+it with ``--no-overlap-run``). Prefix caching is off as in e2e_bench (random prompts share
+nothing); detokenize is off because the 512-token tokenizer cannot spell the 151,936-id
+vocabulary (``output_text`` is null). On the device image ``raygen`` is not installed: the
+module is the same entry point, and Ray workers find the repository and the carried site dir
+through the inherited ``PYTHONPATH`` (the repo root is prepended for the job).
+
+    source .carry/activate.sh; export PYTHONPATH=$PWD:$PYTHONPATH
+    python3 benchmarks/job_bench.py --out $OUT                       # 1 or 2 GPUs
+    python benchmarks/job_bench.py --model-config tiny --device cpu --rows 64 \\
+        --output-len 32 --rows-per-shard 16 --max-actors 2 --out /tmp/jb    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# model config name: (e2e_bench spec name, engine options). The KV pool is sized exactly
+# (every sequence at full length), so the bare engine and each actor get the same one.
+MODELS = {
+    "qwen2-0.5b": ("QWEN2_05B", {"max_num_seqs": 1024, "max_num_batched_tokens": 32768}),
+    "tiny": ("TINY", {"max_num_seqs": 32, "max_num_batched_tokens": 2048}),
+}
+# per-row params, cycled over the rows (max_tokens / ignore_eos / detokenize are job defaults)
+ROW_PARAMS: tuple[dict[str, Any], ...] = (
+    {"temperature": 0.0},
+    {"temperature": 0.8, "top_p": 0.95},
+    {"temperature": 1.0, "top_k": 50},
+    {"temperature": 0.7, "top_p": 0.9, "logprobs": 5},
+    {"temperature": 0.8, "top_p": 0.95, "seed": None},  # seed filled in per row
+    {"temperature": 1.0, "logprobs": 20},
+    {"temperature": 0.0, "logprobs": 0},
+    {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": None},
+)
+JOB_SEED = 2024
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+T0 = float(os.environ.get("JOB_BENCH_T0", time.time()))  # the bare child logs on our clock
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def load_e2e():
+    spec = importlib.util.spec_from_file_location("e2e_bench", REPO / "benchmarks" / "e2e_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row_params(i: int) -> dict[str, Any]:
+    p = dict(ROW_PARAMS[i % len(ROW_PARAMS)])
+    if "seed" in p:
+        p["seed"] = 1_000_003 * i + 7
+    return p
+
+
+def write_input(path: Path, rows: int, prompt_len: int, vocab: int) -> None:
+    """``rows`` rows: id, prompt_token_ids (int32, fixed length), sampling_params (struct),
+    group (passthrough)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, vocab - 1, size=(rows, prompt_len), dtype=np.int32)
+    fields = [("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64()),
+              ("min_p", pa.float64()), ("seed", pa.int64()), ("logprobs", pa.int64())]
+    table = pa.table({
+        "id": pa.array([f"row-{i:05d}" for i in range(rows)], pa.string()),
+        "prompt_token_ids": pa.FixedSizeListArray.from_arrays(ids.reshape(-1), prompt_len)
+        .cast(pa.list_(pa.int32())),
+        "sampling_params": pa.array([row_params(i) for i in range(rows)], pa.struct(fields)),
+        "group": pa.array([i % len(ROW_PARAMS) for i in range(rows)], pa.int64()),
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=256)
+
+
+def expected_schema():
+    """DESIGN.md's output table, with the ``group`` passthrough column."""
+    import pyarrow as pa
+
+    top = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+    return pa.schema([
+        ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
+        ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
+        ("stop_reason", pa.string()), ("logprobs", pa.list_(pa.float32())),
+        ("top_logprobs", pa.list_(pa.list_(top))), ("sampled_ranks", pa.list_(pa.int32())),
+        ("prompt_logprobs", pa.list_(pa.float32())), ("num_prompt_tokens", pa.int32()),
+        ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
+        ("group", pa.int64()),
+    ])
+
+
+def job_config(args, work: Path, output: Path, num_actors: int, deterministic: bool) -> dict:
+    spec_name, engine = MODELS[args.model_config]
+    engine = dict(engine, max_model_len=args.prompt_len + args.output_len,
+                  enable_prefix_caching=False)
+    if args.max_num_seqs:
+        engine["max_num_seqs"] = args.max_num_seqs
+    if args.max_batched_tokens:
+        engine["max_num_batched_tokens"] = args.max_batched_tokens
+    blocks_per_seq = -(-engine["max_model_len"] // 16)
+    engine.update(block_size=16, num_kv_blocks=engine["max_num_seqs"] * blocks_per_seq + 64)
+    return {
+        "model": str(work / "model"), "input": str(work / "input.parquet"),
+        "output": str(output), "ray_address": "local",
+        "sampling_params": {"max_tokens": args.output_len, "ignore_eos": True,
+                            "detokenize": False},
+        "seed": JOB_SEED, "num_actors": num_actors,
+        "num_gpus_per_actor": 0 if args.device == "cpu" else 1,
+        "rows_per_shard": args.rows_per_shard, "max_shard_attempts": 3,
+        "deterministic": deterministic, "engine": engine,
+    }
+
+
+def write_yaml(config: dict, path: Path) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+# ----------------------------------------------------------------------------- bare engine
+def bare_stage(args) -> None:
+    """Child process: build the model, then run the bare engine over the job's rows."""
+    import gc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from actors.engine import Engine
+    from actors.rows import prepare_requests, read_rows, row_ids
+    from jobs.config import JobConfig
+    from jobs.inputs import discover
+    from jobs.plan import Shard, make_task
+    from jobs.runner import engine_options
+    from jobs.storage import resolve
+
+    e2e = load_e2e()
+    if args.device == "cpu":
+        e2e.DEVICE = "cpu"
+    config = JobConfig.from_yaml(args.config)
+    t0 = time.perf_counter()
+    model = e2e.build_model(getattr(e2e, MODELS[args.model_config][0]), Path(config.model))
+    del model
+    gc.collect()
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if cuda:
+        torch.cuda.empty_cache()
+    build_s = time.perf_counter() - t0
+    log(f"bare: model saved in {build_s:.1f} s")
+
+    spec = discover(config)
+    task = make_task(Shard(0, 0, 0, spec.total_rows), 1, spec, config, resolve(config.output))
+    table = read_rows(task)
+    ids, values, id_errors = row_ids(task, table)
+    requests, failed = prepare_requests(task, table, values, id_errors)
+    assert not failed, list(failed.values())[:3]
+    t0 = time.perf_counter()
+    engine = Engine(config.model, engine_options(config))
+    load_s = time.perf_counter() - t0
+    warm = [(f"w{i}", prompt[:16], params.replace(max_tokens=8))
+            for i, (_, prompt, params) in enumerate(requests[:len(ROW_PARAMS)])]
+    engine.generate(warm)
+    if cuda:
+        torch.cuda.synchronize()
+    log(f"bare: engine loaded in {load_s:.1f} s, warmed up; generating {len(requests)} rows")
+    t0 = time.perf_counter()
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(o.num_output_tokens for o in outputs)
+    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    outputs.sort(key=lambda o: index[o.id])
+    pq.write_table(pa.table({
+        "id": pa.array([values[index[o.id]] for o in outputs], pa.string()),
+        "output_token_ids": pa.array([list(o.output_token_ids) for o in outputs],
+                                     pa.list_(pa.int32()))}), args.bare_tokens)
+    info = engine.info()
+    result = {"build_model_s": build_s, "load_s": load_s, "elapsed_s": elapsed,
+              "rows": len(outputs), "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+              "attention_backend": info.get("attention_backend"),
+              "cuda_graphs": info.get("cuda_graphs"), "sampler_backend": engine.sampler.backend,
+              "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    Path(args.bare_result).write_text(json.dumps(result, indent=1))
+    log(f"bare: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} output tok/s")
+
+
+def run_bare(args, work: Path, config_path: Path) -> dict:
+    result, tokens = work / "bare.json", work / "bare_tokens.parquet"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "bare",
+           "--config", str(config_path), "--bare-result", str(result),
+           "--bare-tokens", str(tokens), "--model-config", args.model_config,
+           "--device", args.device]
+    # the thread count a num_cpus=1 Ray actor gets (Ray sets OMP_NUM_THREADS=1 in it); more
+    # threads than free cores make a CPU engine ~10x slower on a busy 2-core box
+    env = {**child_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "JOB_BENCH_T0": repr(T0)}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=args.timeout)
+    return {**json.loads(result.read_text()), "tokens_file": str(tokens)}
+
+
+# ----------------------------------------------------------------------------- jobs via CLI
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "")
+                                                      .split(os.pathsep) if p])
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid]
+        tree.extend(children)
+        frontier.extend(children)
+    return tree
+
+
+def _actor_pids(root: int) -> list[tuple[int, str]]:
+    """(pid, process title) of the GenerationActor workers below the job's process."""
+    out = []
+    for pid in _descendants(root):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if title.startswith("ray::GenerationActor"):
+            out.append((pid, title))
+    return out
+
+
+def _committed(output: Path) -> dict:
+    try:
+        return json.loads((output / "_manifest.json").read_text()).get("committed", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
+                kill: bool = False) -> dict:
+    """Runs ``raygen run config`` (as ``python -m toolkit.cli``), streaming its log with
+    timestamps; ``kill``: SIGKILL one actor process once the first shard is committed."""
+    log(f"{name}: raygen run {config_path.name}")
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "run", str(config_path)],
+                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    events: dict[str, float] = {}
+    ready: list[float] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            now = time.time()
+            line = ANSI.sub("", line)
+            lines.append(line.rstrip("\n"))
+            print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
+            if re.search(r"jobs\.dispatch: actor-\d+ ready", line):
+                ready.append(now)
+            elif "jobs.runner: job finished" in line:
+                events["finished"] = now
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    killed: dict[str, Any] = {}
+    if kill:
+        while proc.poll() is None and not _committed(output):
+            time.sleep(0.05)
+        actors = _actor_pids(proc.pid)
+        busy = [a for a in actors if "process_shard" in a[1]] or actors
+        if proc.poll() is None and busy:
+            pid, title = busy[0]
+            os.kill(pid, signal.SIGKILL)
+            killed = {"pid": pid, "title": title, "at_s": time.time() - started,
+                      "committed_before": len(_committed(output))}
+            log(f"{name}: killed actor process {pid} ({title}) after "
+                f"{killed['committed_before']} committed shard(s)")
+        else:
+            log(f"{name}: no actor process to kill (job already over?)")
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    reader.join(timeout=10)
+    ended = time.time()
+    finished = events.get("finished", ended)
+    first_ready = min(ready) if ready else started
+    return {"returncode": rc, "end_to_end_s": ended - started,
+            "start_to_first_ready_s": first_ready - started,
+            "start_to_all_ready_s": (max(ready) if ready else started) - started,
+            "generation_s": finished - first_ready, "actors_started": len(ready),
+            "killed": killed, "log_tail": lines[-12:]}
+
+
+def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
+    """Checks a finished job's output; returns (checks, table sorted by id)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    checks: dict[str, bool] = {"success_marker": (output / "_SUCCESS").exists()}
+    if not checks["success_marker"]:
+        return checks, None
+    table = pq.read_table(str(output)).sort_by([("id", "ascending"),
+                                                ("sample_index", "ascending")])
+    checks["schema"] = table.schema.equals(expected_schema())
+    ids = Counter(table.column("id").to_pylist())
+    checks["ids_one_to_one"] = ids == Counter(f"row-{i:05d}" for i in range(rows))
+    checks["row_count"] = table.num_rows == rows
+    checks["no_errors"] = table.column("error").null_count == table.num_rows
+    checks["all_tokens"] = (pc.all(pc.equal(table.column("num_output_tokens"), output_len))
+                            .as_py() and pc.all(pc.equal(pc.list_value_length(
+                                table.column("output_token_ids")), output_len)).as_py())
+    wanted = [row_params(int(i[4:])).get("logprobs") for i in table.column("id").to_pylist()]
+    logprobs = table.column("logprobs").to_pylist()
+    top = table.column("top_logprobs").to_pylist()
+    checks["logprobs_where_asked"] = all(
+        (lp is None) == (k is None) and (k is None or len(lp) == output_len)
+        and (not k or (len(t) == output_len and all(len(s) == k for s in t)))
+        for k, lp, t in zip(wanted, logprobs, top))
+    return checks, table
+
+
+def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
+             kill: bool = False) -> tuple[dict, Any]:
+    output = work / f"out-{name}"
+    config_path = write_yaml(job_config(args, work, output, num_actors, deterministic),
+                             work / f"{name}.yaml")
+    run = run_cli_job(name, config_path, output, args.timeout, kill)
+    checks, table = check_output(output, args.rows, args.output_len)
+    checks["exit_code_0"] = run["returncode"] == 0
+    committed = _committed(output)
+    tokens = args.rows * args.output_len
+    result = {"num_actors": num_actors, "deterministic": deterministic, **run,
+              "output_tokens": tokens,
+              "output_tok_s": tokens / max(run["generation_s"], 1e-9),
+              "end_to_end_tok_s": tokens / run["end_to_end_s"],
+              "shards": len(committed),
+              "shards_retried": sum(1 for e in committed.values() if e.get("attempt", 1) > 1),
+              "checks": checks}
+    if kill:
+        checks["actor_killed"] = bool(run["killed"])
+        checks["retried"] = result["shards_retried"] >= 1
+    log(f"{name}: {result['output_tok_s']:,.0f} output tok/s over {run['generation_s']:.2f} s "
+        f"of generation ({run['end_to_end_s']:.1f} s end to end); checks "
+        f"{'ok' if all(checks.values()) else checks}")
+    return result, table
+
+
+def token_match(table, bare_tokens: str) -> float:
+    """Share of rows whose output token ids equal the bare engine's."""
+    import pyarrow.parquet as pq
+
+    bare = pq.read_table(bare_tokens).sort_by("id")
+    same = sum(a == b for a, b in zip(table.column("output_token_ids").to_pylist(),
+                                      bare.column("output_token_ids").to_pylist()))
+    return same / max(table.num_rows, 1)
+
+
+def visible_gpus(device: str) -> int:
+    if device == "cpu":
+        return 0
+    import torch  # device_count does not create a CUDA context in this process
+
+    return torch.cuda.device_count()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-config", choices=sorted(MODELS), default="qwen2-0.5b")
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rows-per-shard", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="override the engine's")
+    p.add_argument("--max-batched-tokens", type=int, default=0, help="override the engine's")
+    p.add_argument("--deterministic", choices=("true", "false"), default="true",
+                   help="the jobs' deterministic setting (the kill run compares bits if true)")
+    p.add_argument("--no-overlap-run", dest="overlap_run", action="store_false",
+                   help="skip the extra 1-actor run with deterministic: false")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="cpu: CPU actors (num_gpus_per_actor 0) and a CPU bare engine")
+    p.add_argument("--max-actors", type=int, default=0,
+                   help="1 or 2 (default: 2 if 2 GPUs are visible, else 1)")
+    p.add_argument("--skip-kill", action="store_true")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per step")
+    p.add_argument("--out", default=".", help="directory for job_bench.json")
+    p.add_argument("--tmp", default=None, help="where model, input and outputs go")
+    p.add_argument("--stage", default="all", help=argparse.SUPPRESS)
+    for hidden in ("--config", "--bare-result", "--bare-tokens"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.stage == "bare":
+        bare_stage(args)
+        return {}
+    max_actors = args.max_actors or min(2, max(visible_gpus(args.device), 1))
+    deterministic = args.deterministic == "true"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"args": vars(args), "max_actors": max_actors}
+    e2e_spec = getattr(load_e2e(), MODELS[args.model_config][0])
+    with tempfile.TemporaryDirectory(dir=args.tmp, prefix="job_bench-") as tmp:
+        work = Path(tmp)
+        log(f"writing {args.rows} input rows ({args.prompt_len} prompt ids, "
+            f"{args.output_len} output tokens each)")
+        write_input(work / "input.parquet", args.rows, args.prompt_len, e2e_spec["vocab_size"])
+        one = write_yaml(job_config(args, work, work / "out-bare", 1, deterministic),
+                         work / "bare.yaml")
+        report["job_config"] = job_config(args, work, work / "out", 1, deterministic)
+        log("building the model and running the bare engine (child process)")
+        bare = report["bare_engine"] = run_bare(args, work, one)
+        jobs: dict[str, dict] = {}
+        report["jobs"] = jobs
+
+        def save() -> None:
+            (out / "job_bench.json").write_text(json.dumps(report, indent=1, default=str))
+
+        save()
+        jobs["1_actor"], t1 = job_step(args, work, "1_actor", 1, deterministic)
+        jobs["1_actor"]["token_ids_equal_bare"] = token_match(t1, bare["tokens_file"]) \
+            if t1 is not None else None
+        jobs["1_actor"]["overhead_vs_bare"] = bare["output_tok_s"] / jobs["1_actor"][
+            "output_tok_s"] - 1
+        save()
+        if args.overlap_run:
+            jobs["1_actor_overlap"], _ = job_step(args, work, "1_actor_overlap", 1, False)
+            jobs["1_actor_overlap"]["overhead_vs_bare"] = bare["output_tok_s"] / jobs[
+                "1_actor_overlap"]["output_tok_s"] - 1
+            save()
+        if max_actors >= 2:
+            jobs["2_actors"], t2 = job_step(args, work, "2_actors", 2, deterministic)
+            two = jobs["2_actors"]
+            two["ratio_vs_1_actor"] = two["output_tok_s"] / jobs["1_actor"]["output_tok_s"]
+            two["end_to_end_ratio_vs_1_actor"] = (jobs["1_actor"]["end_to_end_s"]
+                                                  / two["end_to_end_s"])
+            if deterministic and t1 is not None and t2 is not None:
+                two["checks"]["identical_to_1_actor"] = t1.equals(t2)
+            save()
+            if not args.skip_kill:
+                jobs["2_actors_kill"], tk = job_step(args, work, "2_actors_kill", 2,
+                                                     deterministic, kill=True)
+                if t2 is not None and tk is not None:
+                    same = t2.equals(tk) if deterministic else (
+                        t2.column("output_token_ids").equals(tk.column("output_token_ids")))
+                    jobs["2_actors_kill"]["checks"]["same_rows_as_clean_2_actors"] = same
+                save()
+    report["all_checks_passed"] = all(all(j["checks"].values()) for j in jobs.values())
+    save()
+    print_summary(report)
+    return report
+
+
+def print_summary(report: dict) -> None:
+    bare, jobs = report["bare_engine"], report["jobs"]
+    print(f"\njob_bench: {report['args']['rows']} rows x {report['args']['output_len']} output "
+          f"tokens, {report['args']['model_config']}, device {bare['device']} "
+          f"({bare['attention_backend']} attention, cuda graphs {bare['cuda_graphs']}, "
+          f"{bare['sampler_backend']} sampler)")
+    print(f"  {'run':18} {'out tok/s':>10} {'gen s':>7} {'e2e s':>7} {'ready s':>7} "
+          f"{'vs bare':>8} {'vs 1 act':>8} {'retried':>7}  checks")
+    print(f"  {'bare engine':18} {bare['output_tok_s']:10,.0f} {bare['elapsed_s']:7.2f} "
+          f"{'':>7} {bare['load_s']:7.1f}")
+    for name, j in jobs.items():
+        over = j.get("overhead_vs_bare")
+        ratio = j.get("ratio_vs_1_actor")
+        failed = [k for k, v in j["checks"].items() if not v]
+        print(f"  {name:18} {j['output_tok_s']:10,.0f} {j['generation_s']:7.2f} "
+              f"{j['end_to_end_s']:7.1f} {j['start_to_first_ready_s']:7.1f} "
+              f"{'' if over is None else f'{over:+.1%}':>8} "
+              f"{'' if ratio is None else f'{ratio:.2f}x':>8} {j['shards_retried']:7d}  "
+              f"{'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    one = jobs.get("1_actor", {})
+    if one.get("token_ids_equal_bare") is not None:
+        print(f"  1-actor rows with token ids equal to the bare engine's: "
+              f"{one['token_ids_equal_bare']:.1%}")
+    print("  goals: job overhead vs bare <= 10%, 2 actors >= 1.85x one; "
+          f"all checks {'passed' if report['all_checks_passed'] else 'NOT passed'}")
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main().get("all_checks_passed", True) else 1)

@@ -1,0 +1,62 @@
+"""Smoke test of benchmarks/job_bench.py on the tiny model with CPU actors: the bare engine,
+``raygen run`` with 1 and 2 actors, and the 2-actor run with one actor killed mid-job (the GPU
+run is the benchmark itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "job_bench.py"
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def job_bench():
+    spec = importlib.util.spec_from_file_location("job_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_path, capsys):
+    report = job_bench.main(["--model-config", "tiny", "--device", "cpu", "--rows", "64",
+                             "--output-len", "32", "--rows-per-shard", "16", "--max-actors",
+                             "2", "--no-overlap-run", "--out", str(tmp_path),
+                             "--tmp", str(tmp_path)])
+    assert json.loads((tmp_path / "job_bench.json").read_text()) == \
+        json.loads(json.dumps(report, default=str))
+    jobs = report["jobs"]
+    assert set(jobs) == {"1_actor", "2_actors", "2_actors_kill"}
+    for name, job in jobs.items():
+        assert job["checks"] and all(job["checks"].values()), (name, job["checks"])
+        assert job["shards"] == 4 and job["output_tokens"] == 64 * 32
+        assert job["output_tok_s"] > 0 and job["generation_s"] < job["end_to_end_s"]
+    assert report["all_checks_passed"]
+    assert jobs["2_actors"]["checks"]["identical_to_1_actor"]
+    kill = jobs["2_actors_kill"]
+    assert kill["killed"]["pid"] > 0 and kill["shards_retried"] >= 1
+    assert kill["checks"]["same_rows_as_clean_2_actors"]
+    bare = report["bare_engine"]
+    assert bare["rows"] == 64 and bare["output_tokens"] == 64 * 32
+    assert jobs["1_actor"]["token_ids_equal_bare"] == 1.0  # float32 on CPU: no near-ties
+    assert "all checks passed" in capsys.readouterr().out
+
+
+def test_input_rows_mix_params_and_fit_the_output_schema(job_bench, tmp_path):
+    import pyarrow.parquet as pq
+
+    job_bench.write_input(tmp_path / "in.parquet", 24, 8, 512)
+    table = pq.read_table(tmp_path / "in.parquet")
+    assert table.num_rows == 24 and table.column_names == [
+        "id", "prompt_token_ids", "sampling_params", "group"]
+    params = table.column("sampling_params").to_pylist()
+    assert {p["logprobs"] for p in params} == {None, 0, 5, 20}
+    assert {p["temperature"] for p in params} >= {0.0, 0.8, 1.0}
+    assert sum(p["seed"] is not None for p in params) == 6
+    assert all(len(ids) == 8 for ids in table.column("prompt_token_ids").to_pylist())
+    assert job_bench.expected_schema().names[-1] == "group"
