@@ -57,6 +57,12 @@ class Dispatcher:
         self.failed: set[int] = set()
         self.succeeded = 0
 
+    @property
+    def actors(self) -> list[str]:
+        """The names of the pool's slots (``actor-0``, ``actor-1``, …); a replaced actor keeps
+        its slot's name."""
+        return [slot.name for slot in self._slots]
+
     def run(self, shard_ids: list[int]) -> None:
         """Processes ``shard_ids`` in order; returns when all are committed."""
         import ray

@@ -17,7 +17,9 @@ class JobResult:
 
     ``rows``, ``errors``, ``tokens`` and ``prompt_tokens`` count the whole output (resumed
     shards included); ``seconds`` and ``tokens_per_second`` cover this run only.
-    ``actor_share`` maps each actor slot to its share of the input rows run in this run.
+    ``actor_share`` maps each actor slot of this run's pool to its share of the input rows run
+    in this run; a slot that ran no shard (it was still loading when the others took them all)
+    is listed with 0.
     """
 
     output: str
@@ -72,6 +74,11 @@ class Progress:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+    def add_actors(self, names) -> None:
+        """Lists the pool's actor slots, so that one which commits nothing still shows as 0%."""
+        for name in names:
+            self.rows_by_actor.setdefault(name, 0)
 
     def update(self, rows: int, tokens: int, actor: str) -> None:
         """Records one committed shard of ``rows`` input rows and ``tokens`` output tokens."""

@@ -170,5 +170,6 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
         commit,
         config.max_shard_attempts,
     )
+    bar.add_actors(dispatcher.actors)
     dispatcher.run(todo)
     return dispatcher

@@ -26,6 +26,14 @@ def test_bar_shows_rows_rate_and_eta(monkeypatch):
     assert bar.actor_share() == {"actor-0": 0.75, "actor-1": 0.25}
 
 
+def test_an_actor_that_ran_nothing_is_listed_with_zero(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    bar = Progress(total_rows=8)
+    bar.add_actors(["actor-0", "actor-1"])
+    bar.update(8, 40, "actor-1")  # actor-1 took every shard while actor-0 was loading
+    assert bar.actor_share() == {"actor-0": 0.0, "actor-1": 1.0}
+
+
 def test_logs_every_tenth_without_a_terminal(monkeypatch, caplog):
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     bar = Progress(total_rows=100)

@@ -48,7 +48,17 @@ def test_demo_runs_and_prints_summary_and_rows(tmp_path):
     prompts = pq.read_table(demo_prompts()).to_pylist()
     total = sum(SamplingParams.coerce(r["sampling_params"]).n for r in prompts)
     assert f"rows:    {total} output rows for {len(prompts)} input rows, 0 errors" in stdout
-    assert "tokens/s" in stdout and "actors:  actor-0" in stdout
+    assert "output tokens/s" in stdout
+    # every actor of the demo's pool (2, or 1 on a one-CPU machine) is listed, with 0% if the
+    # other took every shard while it was still loading; the shares (each rounded to 1%) add
+    # up to 100%
+    actors = [line for line in stdout.splitlines() if line.startswith("actors:  ")]
+    assert len(actors) == 1, stdout
+    shares = dict(item.rsplit(" ", 1) for item in actors[0][len("actors:  "):].split(", "))
+    pool = max(1, min(2, os.cpu_count() or 1))
+    assert sorted(shares) == [f"actor-{i}" for i in range(pool)], actors[0]
+    assert all(v.endswith("%") for v in shares.values()), actors[0]
+    assert abs(sum(int(v[:-1]) for v in shares.values()) - 100) <= 1, actors[0]
     shown = [line for line in stdout.splitlines() if line.startswith("  demo-")]
     assert len(shown) == 8 and shown[0].startswith("  demo-00[0] ")
 
