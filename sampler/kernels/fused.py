@@ -134,6 +134,15 @@ def _stats_range(
 
 
 @triton.jit
+def _kth_largest(lanes, k):
+    """The k-th largest of a row's per-lane maxima (-inf when there are fewer than k lanes):
+    k distinct tokens are >= it, so it bounds the row's k-th largest value from below."""
+    ordered = tl.sort(lanes, 0, descending=True)
+    jj = tl.arange(0, lanes.shape[0])
+    return tl.max(tl.where(jj == k - 1, ordered, float("-inf")), 0)
+
+
+@triton.jit
 def _best(acc_v, acc_i):
     """Lane (value, index) accumulators -> the maximum and its lowest index (0 if none)."""
     best = tl.max(acc_v, 0)
@@ -179,60 +188,30 @@ GUMBEL_MAX: tl.constexpr = tl.constexpr(24.0)  # bound on _gumbel's values (22.9
 
 
 @triton.jit
-def _draw_then_verify(
-    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, seed, sidx, pos,
+def _scan(
+    base, row, slot, V, W, T, thr, m_s, s_x, floor, k0, k1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
 ):
-    """Top-k / top-p in two passes for most rows: the Gumbel-max draw ``x`` over the min-p
-    survivors, then one pass that decides whether ``x`` is in the kept set.
-
-    The Gumbel-max over a subset that contains the unrestricted winner is that winner, so when
-    ``x`` is kept it is exactly the draw over the kept set (same noise, same tie rule). ``x``
-    is kept by top-k iff fewer than k survivors are strictly greater; by top-p iff it is the
-    largest, or the mass strictly above it is ``< p`` of the mass top-k keeps (the
-    tie-extended prefix rule of SAMPLER_SPEC section 2). With both on, that mass is known
-    here only when top-k keeps every survivor (at most k of them); otherwise, and for a draw
-    that is not kept, the row takes the exact selection path (returns kept = False). Tiles
-    whose largest value cannot beat the best score so far even with the largest possible
-    noise skip the noise."""
+    """One pass over the survivors (processed / T >= thr) of a row. DRAW: the Gumbel-max
+    over the survivors strictly above ``floor`` (token, its value; tiles whose largest value
+    cannot beat the best score so far even with the largest noise skip the noise). COUNT /
+    MASS: survivors strictly above ``s_x`` and their mass exp(s - m_s). TOTAL: survivors and
+    their mass."""
     NEG = float("-inf")
     BLOCK: tl.constexpr = R * VEC
     lane = tl.arange(0, R)
     col = tl.arange(0, VEC)[None, :]
-    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
-    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
     acc_sv = tl.full([R], NEG, tl.float32)
     acc_si = tl.zeros([R], dtype=tl.int32)
     acc_ss = tl.full([R], NEG, tl.float32)
-    for start in range(0, V, BLOCK):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
-            freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        s = tl.math.div_rn(x, T)
-        kept = (s >= thr) & (s > NEG)
-        s = tl.where(kept, s, NEG)
-        if tl.max(tl.max(s, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
-            score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
-            am = tl.argmax(score, 1)
-            tv = tl.max(score, 1)
-            ts = tl.sum(tl.where(col == am[:, None], s, 0.0), 1)
-            upd = tv > acc_sv
-            acc_sv = tl.where(upd, tv, acc_sv)
-            acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
-            acc_ss = tl.where(upd, ts, acc_ss)
-    best = tl.max(acc_sv, 0)
-    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
-    s_x = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
-    # ---- verify: survivors strictly above s_x (count, mass) and the survivors' mass
     acc_c = tl.zeros([R], dtype=tl.int32)
-    acc_n = tl.zeros([R], dtype=tl.int32)
     acc_g = tl.zeros([R], dtype=tl.float32)
+    acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         offs, vmask, raw, x = _tile(
@@ -242,20 +221,107 @@ def _draw_then_verify(
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         s = tl.math.div_rn(x, T)
         valid = (s >= thr) & (s > NEG)
-        gt = valid & (s > s_x)
-        acc_c += tl.sum(gt.to(tl.int32), 1)
-        if p_on:
-            acc_n += tl.sum(valid.to(tl.int32), 1)
-            e = tl.exp(s - m_s)
-            acc_g += tl.sum(tl.where(gt, e, 0.0), 1)
-            acc_z += tl.sum(tl.where(valid, e, 0.0), 1)
-    n_gt = tl.sum(acc_c, 0)
-    ok_k = (not k_on) | (n_gt <= top_k - 1)
-    known_z = (not k_on) | (tl.sum(acc_n, 0) <= top_k)
-    in_p = (n_gt == 0) | (tl.sum(acc_g, 0) < top_p * tl.sum(acc_z, 0))
-    ok_p = (not p_on) | (known_z & in_p)
-    ok = ok_k & ok_p & (best > NEG)
+        if DRAW:
+            kept = valid & (s > floor)
+            sk = tl.where(kept, s, NEG)
+            if tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
+                score = tl.where(kept, sk + _gumbel(offs, k0, k1), NEG)
+                am = tl.argmax(score, 1)
+                tv = tl.max(score, 1)
+                ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
+                upd = tv > acc_sv
+                acc_sv = tl.where(upd, tv, acc_sv)
+                acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
+                acc_ss = tl.where(upd, ts, acc_ss)
+        if COUNT:
+            gt = valid & (s > s_x)
+            acc_c += tl.sum(gt.to(tl.int32), 1)
+            if MASS | TOTAL:
+                e = tl.exp(s - m_s)
+                if MASS:
+                    acc_g += tl.sum(tl.where(gt, e, 0.0), 1)
+                if TOTAL:
+                    acc_n += tl.sum(valid.to(tl.int32), 1)
+                    acc_z += tl.sum(tl.where(valid, e, 0.0), 1)
+    best = tl.max(acc_sv, 0)
+    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
+    s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
+    s_tok = tl.where(best > NEG, s_tok, NEG)
+    return (tok, s_tok, tl.sum(acc_c, 0), tl.sum(acc_g, 0), tl.sum(acc_n, 0),
+            tl.sum(acc_z, 0))
+
+
+@triton.jit
+def _draw_then_verify(
+    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, seed, sidx, pos,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    ROUNDS: tl.constexpr,
+):
+    """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
+    then a pass that decides whether ``x`` is in the kept set.
+
+    The Gumbel-max over a subset that contains the unrestricted winner is that winner, so when
+    ``x`` is kept it is exactly the draw over the kept set (same noise, same tie rule). ``x``
+    is kept by top-k iff fewer than k survivors are strictly greater; by top-p iff it is the
+    largest, or the mass strictly above it is ``< p`` of the mass top-k keeps (the
+    tie-extended prefix rule of SAMPLER_SPEC section 2). With both on, that mass is known
+    here only when top-k keeps every survivor (at most k of them). The kept set lies strictly
+    above a rejected draw, so the next draw is over the survivors above it (same noise): each
+    later pass verifies one draw and makes the next. Returns (token, kept); a row that is not
+    settled after ROUNDS such passes takes the exact selection path."""
+    NEG = float("-inf")
+    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+    tok, s_x, _c, _g, _n, _z = _scan(
+        base, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        DRAW=True, COUNT=False, MASS=False, TOTAL=False)
+    _t, _s, n_gt, m_gt, n_valid, z = _scan(
+        base, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        DRAW=False, COUNT=True, MASS=True, TOTAL=True)
+    known_z = (not k_on) | (n_valid <= top_k)
+    ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
+    if known_z & (s_x > NEG) & (not ok):
+        tok, s_x, _c, _g, _n, _z = _scan(
+            base, row, slot, V, W, T, thr, m_s, NEG, s_x, k0, k1,
+            pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+            bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+            ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False)
+        rounds = 0
+        while (not ok) & (rounds < ROUNDS):
+            nxt, s_nxt, n_gt, m_gt, _n, _z = _scan(
+                base, row, slot, V, W, T, thr, m_s, s_x, s_x, k0, k1,
+                pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+                bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+                ban_ptr, NBAN, allowed_ptr, row_allowed,
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+                DRAW=True, COUNT=True, MASS=True, TOTAL=False)
+            ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
+            if not ok:
+                tok = nxt
+                s_x = s_nxt
+            rounds += 1
     return tok, ok
+
+
+@triton.jit
+def _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on):
+    ok_k = (not k_on) | (n_gt <= top_k - 1)
+    ok_p = (not p_on) | (n_gt == 0) | (m_gt < top_p * z)
+    return ok_k & ok_p
 
 
 @triton.jit
@@ -335,13 +401,14 @@ def _fused_sampler_kernel(
     if FAST & ANY_RANDOM & ANY_SEL:
         fk_on = (top_k > 0) & (top_k < V)
         fp_on = top_p < 1.0
-        if (not greedy) & (fk_on | fp_on):
+        # top-k within the lane count is one gather pass below: draw first only otherwise
+        if (not greedy) & (fk_on | fp_on) & ((not fk_on) | (top_k > acc_ms.shape[0])):
             fast_tok, fast_done = _draw_then_verify(
                 base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, fp_on, seed, sidx, pos,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
-                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6)
 
     # ---------------------------------------------------------------- selection state machines
     v_k = NEG
@@ -352,6 +419,7 @@ def _fused_sampler_kernel(
     r_hi = float("inf")
     sel_on = False
     rk_on = False
+    r_t0 = NEG
     cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
     cand_r = cand_p + CAP
     ctr_p = counter_ptr + row * 2
@@ -369,6 +437,14 @@ def _fused_sampler_kernel(
         p_mlo = 0.0
         p_fresh = True
         p_all = False
+        # top-k: gather every survivor >= the k-th largest lane maximum in one pass (falls
+        # back to the refinement passes when more than CAP tokens are that large)
+        p_t0 = NEG
+        p_lane = sel_on & k_on & (top_k <= acc_ms.shape[0])
+        if p_lane:
+            p_t0 = _kth_largest(acc_ms, top_k)
+            p_phase = 1
+            p_all = True
         p_Z = 0.0
         p_floor = thr
         rk_on = lp_on & (nlp > 0)
@@ -376,6 +452,10 @@ def _fused_sampler_kernel(
         r_lo = 0.0
         r_w = W0
         r_nlo = 0
+        r_lane = rk_on & (nlp <= acc_mr.shape[0])
+        if r_lane:  # the same one-pass gather for the top-k logprobs
+            r_t0 = _kth_largest(acc_mr, nlp)
+            r_phase = 1
         jj = tl.arange(0, NP)
         passes = 0
         while ((p_phase < 4) | (r_phase < 2)) & (passes < MAX_PASSES):
@@ -406,7 +486,7 @@ def _fused_sampler_kernel(
                         if ANY_MASS & p_mass:
                             mss_p += _mass_bins(b, tl.exp(s - m_s), jj, NP, R)
                     else:
-                        sel = valid & (d < p_hi) & (p_all | (d >= p_lo))
+                        sel = valid & (d < p_hi) & (p_all | (d >= p_lo)) & (s >= p_t0)
                         _append(cand_p, ctr_p, sel, _order_key(s, offs), CAP)
                         above = tl.where(valid & (d < p_lo), s, float("inf"))
                         acc_above = tl.minimum(acc_above, tl.min(above, 1))
@@ -418,7 +498,7 @@ def _fused_sampler_kernel(
                             br = tl.where(valid_r, _bin_of(d_r, r_lo, r_w, r_hi, NP), NP - 1)
                             cnt_r += _count_bins(br, jj, NP, HIST, R, VEC)
                         else:
-                            sel_r = valid_r & (d_r < r_hi)
+                            sel_r = valid_r & (d_r < r_hi) & (raw >= r_t0)
                             mv = _mode_value(raw, mode, T, lse_r, lse_t)
                             _append(cand_r, ctr_r, sel_r, _order_key(mv, offs), CAP)
             tl.debug_barrier()
@@ -459,6 +539,11 @@ def _fused_sampler_kernel(
                             p_w = p_w * (NP - 1)
                         else:
                             p_w = (p_hi - p_lo) / (NP - 1)
+            elif p_lane & (tl.atomic_add(ctr_p, 0) > CAP):  # too many: refine instead
+                p_lane = False
+                p_t0 = NEG
+                p_all = False
+                p_phase = 0
             elif (p_phase == 1) | (p_phase == 3):
                 p_n = tl.minimum(tl.atomic_add(ctr_p, 0), CAP)
                 keys = tl.sort(_read_cands(cand_p, p_n, CAP), 0, descending=True)
@@ -470,6 +555,9 @@ def _fused_sampler_kernel(
                 if p_phase == 1:
                     r = tl.where(p_all, top_k - 1, top_k - p_nlo - 1).to(tl.int32)
                     v_k = tl.sum(tl.where(ii == r, vals, 0.0), 0)
+                    # a lane gather holding fewer than k tokens holds every survivor
+                    v_k = tl.where(p_lane & (p_n <= r), NEG, v_k)
+                    p_lane = False
                     from_cands = p_all
                     if p_on:
                         if p_all:
@@ -525,6 +613,10 @@ def _fused_sampler_kernel(
                             r_w = r_w * (NP - 1)
                         else:
                             r_w = (r_hi - r_lo) / (NP - 1)
+                elif r_lane & (tl.atomic_add(ctr_r, 0) > CAP):  # too many: refine instead
+                    r_lane = False
+                    r_t0 = NEG
+                    r_phase = 0
                 elif r_phase == 1:
                     r_n = tl.minimum(tl.atomic_add(ctr_r, 0), CAP)
                     keys = tl.sort(_read_cands(cand_r, r_n, CAP), 0, descending=True)
@@ -587,7 +679,7 @@ def _fused_sampler_kernel(
             v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
             rank = 1
             if raw_tok < m_r:
-                if rk_on & ((m_r - raw_tok) < r_hi):
+                if rk_on & ((m_r - raw_tok) < r_hi) & (raw_tok >= r_t0):
                     ii = tl.arange(0, CAP)
                     keys = tl.load(cand_r + ii, cache_modifier=".cg")
                     vals = _key_value(keys)
