@@ -20,18 +20,41 @@ def test_defaults_follow_vllm():
     assert p.logprobs_mode == "raw_logprobs" and p.stop == [] and p.detokenize
 
 
-@pytest.mark.parametrize("field,value", [
-    ("n", 0), ("temperature", -0.1), ("temperature", math.inf), ("top_p", 0.0),
-    ("top_p", 1.01), ("top_k", -2), ("min_p", -0.1), ("min_p", 1.5),
-    ("presence_penalty", 2.1), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("seed", -2), ("seed", 2**63), ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("logprobs", -2), ("prompt_logprobs", -3),
-    ("logprobs_mode", "raw"), ("logit_bias", {1: math.nan}), ("logit_bias", {"x": 1.0}),
-    ("allowed_token_ids", []), ("bad_words", [""]), ("ignore_eos", 1), ("n", 1.5),
+@pytest.mark.parametrize("field,value,rule", [
+    ("n", 0, "must be >= 1"),
+    ("temperature", -0.1, "must be >= 0"),
+    ("temperature", math.inf, "must be finite"),
+    ("top_p", 0.0, "must be in (0, 1]"),
+    ("top_p", 1.01, "must be in (0, 1]"),
+    ("top_k", -2, "must be -1, 0 (off) or >= 1"),
+    ("min_p", -0.1, "must be in [0, 1]"),
+    ("min_p", 1.5, "must be in [0, 1]"),
+    ("presence_penalty", 2.1, "must be in [-2, 2]"),
+    ("frequency_penalty", -2.5, "must be in [-2, 2]"),
+    ("repetition_penalty", 0.0, "must be > 0"),
+    ("seed", -2, f"must be None, -1 or in [0, {2**63 - 1}]"),
+    ("seed", 2**63, f"must be None, -1 or in [0, {2**63 - 1}]"),
+    ("max_tokens", 0, "must be >= 1 or None"),
+    ("min_tokens", -1, "must be >= 0"),
+    ("stop", [""], "every entry must be a non-empty string"),
+    ("stop_token_ids", [-1], "token ids must be >= 0"),
+    ("logprobs", -2, "must be None, -1 (whole vocab) or >= 0"),
+    ("prompt_logprobs", -3, "must be None, -1 (whole vocab) or >= 0"),
+    ("logprobs_mode", "raw", "must be one of raw_logprobs, raw_logits, processed_logprobs, "
+                             "processed_logits, temperature_logprobs"),
+    ("logit_bias", {1: math.nan}, "must be finite"),
+    ("logit_bias", {"x": 1.0}, "keys must be token ids"),
+    ("allowed_token_ids", [], "must be None or a non-empty list"),
+    ("bad_words", [""], "every entry must be a non-empty string"),
+    ("ignore_eos", 1, "must be true or false"),
+    ("n", 1.5, "must be an integer"),
 ])
-def test_violations_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"sampling_params.{field}"):
+def test_violations_name_the_field_and_the_bound(field, value, rule):
+    with pytest.raises(ValueError) as info:
         SamplingParams(**{field: value})
+    message = str(info.value)
+    # "sampling_params.<field>: <rule or bound>, got <the value given>"
+    assert message.startswith(f"sampling_params.{field}: {rule}, got "), message
 
 
 def test_normalisations():
