@@ -1,5 +1,8 @@
 """The engine's logits equal the HF model's own forward at every position: packed prefill,
-chunked prefill (token budget smaller than a prompt) and 30 decode steps, for each arch."""
+chunked prefill (token budget smaller than a prompt) and 30 decode steps, for each arch.
+
+The prefill samples the first token; decode step k feeds back sampled token k, so 31 sampled
+tokens mean 30 decode forwards (the 31st token is never fed back)."""
 
 from __future__ import annotations
 
@@ -51,20 +54,22 @@ def test_logits_match_hf_forward(arch, arch_model, hf_reference):
     seen = capture_logits(engine)
     vocab = engine.loaded.vocab_size
     prompts = random_prompts([3, 9, 21, 40, 14, 5], vocab, seed=1)
-    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    decode_steps = 30
+    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, temperature=0.0)
     outs = engine.generate([(i, p, params) for i, p in enumerate(prompts)])
-    assert engine.stats.num_steps > 30
+    assert engine.stats.num_steps > decode_steps
     assert max(map(len, prompts)) > 16  # a prompt is longer than the token budget: chunked
 
     ref = hf_reference(path)
     worst = 0.0
     for out in outs:
-        assert out.num_output_tokens == 30
+        assert out.num_output_tokens == decode_steps + 1
         full = prompts[out.id] + out.output_token_ids
         rows = seen[(out.id, 0)]
         # every input position was computed: prompt positions (prefill, maybe chunked) and
-        # the 29 decode inputs (the 30th sampled token is never fed back)
+        # the 30 decode inputs (the last sampled token is never fed back)
         assert sorted(rows) == list(range(len(full) - 1))
+        assert len(rows) - len(prompts[out.id]) == decode_steps
         expected = hf_logits(ref, full)[:-1]
         got = torch.stack([rows[p] for p in range(len(full) - 1)])
         worst = max(worst, (got - expected).abs().max().item())
