@@ -75,6 +75,33 @@ def _top_logprobs(value: Any) -> list[list[dict[str, Any]]] | None:
     return [_top_entries(step) for step in value]
 
 
+def _top_logprobs_array(values: Sequence[Any]) -> pa.Array:
+    """The ``top_logprobs`` column (list<list<struct>>) built from flat id / value lists and
+    offsets. Steps in the engine's own form (lists of ``{token_id, logprob}`` dicts) are read
+    without a per-entry conversion; any other form goes through :func:`_top_entries`."""
+    ids: list[int] = []
+    values_out: list[float] = []
+    step_offsets = [0]
+    row_offsets = [0]
+    nulls = []
+    for value in values:
+        nulls.append(value is None)
+        if value is not None:
+            for step in value:
+                if type(step) is not list or (step and type(step[0]) is not dict):
+                    step = _top_entries(step)
+                ids.extend([e["token_id"] for e in step])
+                values_out.extend([e["logprob"] for e in step])
+                step_offsets.append(len(ids))
+        row_offsets.append(len(step_offsets) - 1)
+    entries = pa.StructArray.from_arrays(
+        [pa.array(ids, pa.int32()), pa.array(values_out, pa.float32())],
+        fields=list(TOP_LOGPROB))
+    steps = pa.ListArray.from_arrays(pa.array(step_offsets, pa.int32()), entries)
+    return pa.ListArray.from_arrays(pa.array(row_offsets, pa.int32()), steps,
+                                    mask=pa.array(nulls) if any(nulls) else None)
+
+
 def _stop_reason(value: Any) -> str | None:
     if value is None:
         return None
@@ -98,6 +125,9 @@ def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
     for f in GENERATED_FIELDS:
         convert = _CONVERT.get(f.name)
         values = [getattr(o, f.name, None) for o in outputs]
+        if f.name == "top_logprobs":  # the bulk of a part with logprobs: no per-entry dicts
+            columns[f.name] = _top_logprobs_array(values).cast(f.type)
+            continue
         if convert is not None:
             values = [convert(v) for v in values]
         columns[f.name] = pa.array(values, type=f.type)
