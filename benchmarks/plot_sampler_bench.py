@@ -21,7 +21,8 @@ def main(src: str, dst: str) -> None:
     workloads = sorted({r["workload"] for r in recs if r["vocab"] == vocab})
     fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2), sharey=True)
     for ax, w in zip(axes, workloads):
-        for backend, style in (("torch", "o-"), ("triton", "s-")):
+        for backend, style in (("torch", "o-"), ("triton", "s-"), ("flashinfer", "^-"),
+                               ("flashinfer_alone", "x--")):
             pts = sorted((r["batch"], r["gpu_ms"] * 1e3) for r in recs
                          if r["workload"] == w and r["backend"] == backend and r["vocab"] == vocab)
             if pts:
