@@ -13,7 +13,7 @@ from tests.sampler.helpers import oracle_rows, random_logits, run_sampler
 NEG_INF = float("-inf")
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 111), (7, 32000), (99, 111)])
+@pytest.mark.parametrize("rows,vocab", [(1, 111), (7, 32000), (99, 111), (1, 151936)])
 def test_allowed_token_ids(rows, vocab):
     logits = random_logits(rows, vocab, 3)
     rng = np.random.default_rng(rows)
@@ -133,3 +133,117 @@ def test_logit_bias_is_exact():
         for t, v in b.items():
             expected[t] = expected[t] + torch.tensor(v, dtype=torch.float32)
         assert torch.equal(processed[r], expected)
+
+
+# -- the same items at odd sizes (issue 2: batch 1, 7, 99; vocab 111, 32000, 151936) ---------
+ODD_SIZES = [(1, 151936), (7, 32000), (99, 111)]
+
+
+def _bad_words_case(r, vocab, rng):
+    """Row r's words, its output and the ids that must be banned.
+
+    Every row has the word shapes (1,), (1,3) and (2,2): [a], [b, c, d], [c, f], [g, h]; the
+    output's end (variant r % 7) matches some prefixes and not others. Row 0 matches the most.
+    """
+    a, b, c, d, f, g, h = (int(t) for t in rng.choice(vocab, size=7, replace=False))
+    words = [[a], [b, c, d], [c, f], [g, h]]
+    filler = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(0, 6)))]
+    variants = [
+        (filler + [b, c], {a, d, f}),   # (1,3) and one (2,2) prefix just generated
+        (filler + [g], {a, h}),         # the other (2,2) prefix
+        (filler + [c, b], {a}),         # prefixes in the wrong order
+        ([], {a}),                      # no output yet: only the single-token word
+        ([c], {a, f}),                  # too short for the 3-token word
+        (filler + [b, c, -1], {a}),     # the last token is a placeholder: matches nothing
+        (filler + [g, c], {a, f}),
+    ]
+    output, banned = variants[r % len(variants)]
+    return words, output, banned
+
+
+@pytest.mark.parametrize("rows,vocab", ODD_SIZES)
+def test_bad_words_at_odd_sizes(rows, vocab):
+    rng = np.random.default_rng(rows + vocab)
+    cases = [_bad_words_case(r, vocab, rng) for r in range(rows)]
+    words = [c[0] for c in cases]
+    outputs = [c[1] for c in cases]
+    logits = random_logits(rows, vocab, 5)
+    for r, (_, _, banned) in enumerate(cases):
+        logits[r, sorted(banned)] = 50.0  # greedy would pick a banned id if it were not banned
+    params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.9, seed=r) for r in range(rows)]
+    out, processed = run_sampler(logits, params, outputs=outputs, bad_words=words)
+    for r, (_, _, banned) in enumerate(cases):
+        assert set(torch.nonzero(torch.isinf(processed[r]))[:, 0].tolist()) == banned, r
+        assert out.token_ids[r].item() not in banned
+    oracle = oracle_rows(logits, params, outputs=outputs, bad_words=words)
+    for r, res in enumerate(oracle):
+        assert torch.equal(processed[r], torch.from_numpy(res.processed)), r
+    assert out.token_ids.tolist() == [res.token_id for res in oracle]
+
+
+@pytest.mark.parametrize("rows,vocab", ODD_SIZES)
+def test_min_tokens_at_odd_sizes(rows, vocab):
+    eos = [0, vocab - 1]
+    rng = np.random.default_rng(rows * 3 + vocab)
+    params, outputs, masked = [], [], []
+    for r in range(rows):
+        min_tokens = int(rng.choice([0, 2, 5]))
+        stop = [int(t) for t in rng.choice(np.arange(1, vocab - 1), size=r % 3, replace=False)]
+        params.append(SamplingParams(
+            temperature=0.0 if r % 2 == 0 else 1.2, min_tokens=min_tokens, seed=r,
+            stop_token_ids=stop, ignore_eos=bool(r % 4 == 1),
+        ))
+        done = int(rng.integers(0, 6)) if r else min_tokens - 1 if min_tokens else 1
+        outputs.append([int(t) for t in rng.integers(1, vocab - 1, size=done)])
+        masked.append(set(stop) | set(eos) if done < min_tokens else set())
+    assert any(masked) or rows == 1 and params[0].min_tokens == 0
+    logits = random_logits(rows, vocab, 6)
+    for r, p in enumerate(params):
+        logits[r, [*eos, *p.stop_token_ids]] = 40.0  # a stop id wins unless it is masked
+    s = Sampler(rows, vocab, device="cpu", eos_token_ids=eos)
+    for r, p in enumerate(params):
+        s.add_request(r, p, [1], seed=r, output_token_ids=outputs[r])
+    x = logits.clone()
+    out = s.sample(x, list(range(rows)))
+    for r in range(rows):
+        assert set(torch.nonzero(torch.isinf(x[r]))[:, 0].tolist()) == masked[r], r
+        if masked[r]:
+            assert out.token_ids[r].item() not in masked[r]
+    oracle = oracle_rows(logits, params, outputs=outputs, eos=eos)
+    assert out.token_ids.tolist() == [res.token_id for res in oracle]
+    for r, res in enumerate(oracle):
+        assert torch.equal(x[r], torch.from_numpy(res.processed)), r
+    # next step: each slot's position moved by one on the device; a row whose last masked
+    # step that was is unmasked now (row 0 of a batch of one is such a row)
+    x = logits.clone()
+    s.sample(x, list(range(rows)))
+    for r, p in enumerate(params):
+        still = len(outputs[r]) + 1 < p.min_tokens
+        assert set(torch.nonzero(torch.isinf(x[r]))[:, 0].tolist()) == (masked[r] if still
+                                                                       else set()), r
+
+
+@pytest.mark.parametrize("rows,vocab", ODD_SIZES)
+def test_logit_bias_at_odd_sizes(rows, vocab):
+    rng = np.random.default_rng(rows * 5 + vocab)
+    logits = random_logits(rows, vocab, 7)
+    values = [0.1, -3.25, 100.0, 1e-3, -1e30, 7.5, -0.0]
+    bias = []
+    for r in range(rows):
+        if r % 4 == 3:
+            bias.append({})
+            continue
+        ids = {0, vocab - 1} | {int(t) for t in rng.integers(0, vocab, size=5)}
+        bias.append({t: float(rng.choice(values)) for t in ids})
+    params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.7, logit_bias=b or None,
+                             seed=r) for r, b in enumerate(bias)]
+    out, processed = run_sampler(logits, params)
+    oracle = oracle_rows(logits, params)
+    for r, b in enumerate(bias):
+        if params[r].temperature == 0:  # greedy rows end after steps 2-6: exactly x + bias
+            expected = logits[r].clone()
+            for t, v in b.items():
+                expected[t] = expected[t] + torch.tensor(v, dtype=torch.float32)
+            assert torch.equal(processed[r], expected), r
+        assert torch.equal(processed[r], torch.from_numpy(oracle[r].processed)), r
+    assert out.token_ids.tolist() == [res.token_id for res in oracle]

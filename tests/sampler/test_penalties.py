@@ -56,7 +56,7 @@ def test_placeholder_is_never_counted():
     assert s.state.positions[1].item() == 4  # placeholders count in the position
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 111), (7, 32000), (99, 111)])
+@pytest.mark.parametrize("rows,vocab", [(1, 111), (7, 32000), (99, 111), (1, 151936)])
 def test_random_penalties_match_oracle(rows, vocab):
     logits = random_logits(rows, vocab, rows)
     rng = np.random.default_rng(vocab)
@@ -71,6 +71,7 @@ def test_random_penalties_match_oracle(rows, vocab):
         ))
         prompts.append(rng.integers(0, vocab, size=rng.integers(0, 30)).tolist())
         outputs.append(rng.integers(-1, vocab, size=rng.integers(0, 30)).tolist())
+    assert any(p.needs_penalties for p in params)  # the batch is not penalty-free
     out, processed = run_sampler(logits, params, prompts=prompts, outputs=outputs)
     oracle = oracle_rows(logits, params, prompts=prompts, outputs=outputs)
     for r, res in enumerate(oracle):
