@@ -9,6 +9,7 @@ error rows naming the field, the row id and the shard; the shard goes on.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -19,6 +20,8 @@ import pyarrow.parquet as pq
 
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
 from actors.schema import OUTPUT_COLUMNS, build_table
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ErrorOutput", "PartWriteError", "ShardResult", "ShardTask", "prepare_requests",
            "process_shard", "read_rows", "write_failed_shard", "write_part"]
@@ -93,6 +96,7 @@ def process_shard(task: ShardTask, run: RunRequests) -> ShardResult:
     table = read_rows(task)
     ids, id_values, id_errors = row_ids(task, table)
     requests, failed = prepare_requests(task, table, id_values, id_errors)
+    prepared = time.perf_counter()
     rows: list[tuple[int, int, Any]] = [(i, 0, out) for i, out in failed.items()]
     for out in run(requests) if requests else ():
         i = int(str(out.id).rsplit(".", 1)[1])
@@ -101,7 +105,12 @@ def process_shard(task: ShardTask, run: RunRequests) -> ShardResult:
             out = _Relabelled(out, row_message(task, id_values[i], i, str(error)))
         rows.append((i, int(out.sample_index), out))
     rows.sort(key=lambda r: (r[0], r[1]))
-    return write_part(task, table, ids, rows, started)
+    generated = time.perf_counter()
+    result = write_part(task, table, ids, rows, started)
+    logger.info("shard %d: read + prepare %.2f s, generate %.2f s, write %.2f s",
+                task.shard_id, prepared - started, generated - prepared,
+                time.perf_counter() - generated)
+    return result
 
 
 def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
