@@ -9,7 +9,6 @@ error rows naming the field, the row id and the shard; the shard goes on.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,8 +19,6 @@ import pyarrow.parquet as pq
 
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
 from actors.schema import OUTPUT_COLUMNS, build_table
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["ErrorOutput", "PartWriteError", "ShardResult", "ShardTask", "prepare_requests",
            "process_shard", "read_rows", "write_failed_shard", "write_part"]
@@ -77,6 +74,7 @@ class ShardResult:
     prompt_tokens: int
     seconds: float
     error_messages: list[str] = field(default_factory=list)  # the first few, for logs
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: prepare, generate, write
 
 
 class _Relabelled:
@@ -107,9 +105,8 @@ def process_shard(task: ShardTask, run: RunRequests) -> ShardResult:
     rows.sort(key=lambda r: (r[0], r[1]))
     generated = time.perf_counter()
     result = write_part(task, table, ids, rows, started)
-    logger.info("shard %d: read + prepare %.2f s, generate %.2f s, write %.2f s",
-                task.shard_id, prepared - started, generated - prepared,
-                time.perf_counter() - generated)
+    result.phases = {"prepare": prepared - started, "generate": generated - prepared,
+                     "write": time.perf_counter() - generated}
     return result
 
 
