@@ -4,8 +4,9 @@ One ordered pass; each step runs only when the host-side :class:`~sampler.plan.S
 a row needs it. Float32 logits are the working buffer when ``inplace`` (the engine's case);
 bf16/fp16 logits get one float32 working copy (none for an all-greedy batch that no step
 touches) and stay untouched (they are the raw snapshot).
-Values a raw logprobs mode needs are taken from the untouched logits before anything mutates;
-a float32 copy of the raw logits is made only for ``raw_logits`` rows when a step mutates.
+Values a raw logprobs mode needs are taken from the untouched logits (for half input: from its
+still untouched float32 working copy, the same values) before anything mutates; a float32 copy
+of the raw logits is made only for ``raw_logits`` rows when a step mutates.
 """
 
 from __future__ import annotations
@@ -91,14 +92,9 @@ def run_pipeline(
     idx = idx_mapping
     mutates = plan.mutates
 
-    # 1. raw snapshot: values of raw modes come from the untouched logits.
-    values: dict[int, torch.Tensor] = {}
-    for mode in _RAW_CODES:
-        if mode in plan.modes:
-            values[mode] = _raw_values(logits, mode, f[idx, TEMPERATURE], copy=mutates and inplace)
-
     processed_modes = PROCESSED_LOGPROBS in plan.modes or PROCESSED_LOGITS in plan.modes
-    if logits.dtype != torch.float32:
+    half = logits.dtype != torch.float32
+    if half:
         # all-greedy, nothing to mask and no processed values: argmax reads the half input
         # directly (the upcast is exact, so the result is the float32 argmax)
         needs_fp32 = mutates or plan.any_random or processed_modes
@@ -107,6 +103,22 @@ def run_pipeline(
         x = logits.clone()
     else:
         x = logits
+
+    # 1. raw snapshot: values of raw modes come from the untouched logits. A half input's
+    # float32 working copy is still untouched here and holds exactly the same values, so
+    # they come from it (no second float32 copy of the logits; it is copied again only for
+    # raw_logits when a step mutates it). fp16 on CUDA keeps log_softmax's fused
+    # half-to-float kernel, which makes no copy.
+    values: dict[int, torch.Tensor] = {}
+    from_copy = half and x is not logits
+    for mode in _RAW_CODES:
+        if mode in plan.modes:
+            fused = mode == RAW_LOGPROBS and logits.is_cuda and logits.dtype == torch.float16
+            if from_copy and not fused:
+                values[mode] = _raw_values(x, mode, f[idx, TEMPERATURE], copy=mutates)
+            else:
+                values[mode] = _raw_values(logits, mode, f[idx, TEMPERATURE],
+                                           copy=mutates and inplace)
 
     # 2-6. masks and penalties (every row)
     if plan.do_allowed:

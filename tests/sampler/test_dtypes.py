@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sampler import LOGPROBS_MODES, Sampler, SamplingParams, sample_logits
 
@@ -122,3 +123,84 @@ def test_half_and_float32_give_the_same_kept_sets(rows, vocab):
     assert torch.equal(processed[0], processed[1])
     assert torch.equal(outs[0].token_ids, outs[1].token_ids)
     assert not torch.isfinite(processed[0]).all()  # the filters did drop tokens
+
+
+class _LogitsCopies(TorchDispatchMode):
+    """Counts the float32 copies of a logits tensor made while active: ``_to_copy`` /
+    ``clone`` of it (or of such a copy), or ``copy_`` from it, into a float32 tensor of at
+    least rows * vocab elements. Ops that compute something new from the logits
+    (log_softmax, noise, sort, ``torch.where``) are not copies; the copy torch's
+    ``log_softmax(x, dtype=float32)`` makes of a bf16 ``x`` before its kernel is."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.storages = {logits.untyped_storage().data_ptr()}
+        self.size = logits.numel()
+        self.copies: list[str] = []
+
+    def _of_logits(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if name in ("aten._to_copy", "aten.clone", "aten.copy"):
+            src, dst = args[0], out
+        elif name == "aten.copy_":
+            src, dst = args[1], args[0]
+        else:
+            return out
+        if (self._of_logits(src) and isinstance(dst, torch.Tensor)
+                and dst.dtype == torch.float32 and dst.numel() >= self.size
+                and not self._of_logits(dst)):
+            self.copies.append(name)
+            self.storages.add(dst.untyped_storage().data_ptr())
+        return out
+
+
+# mode -> float32 copies of the logits allowed beyond the bf16 working buffer. Only a
+# raw_logits row needs raw values preserved against the in-place steps (SAMPLER_SPEC §2.1:
+# "the values it needs ... fp32 values for raw_logits"; the raw_logprobs and
+# temperature_logprobs values are new tensors, not copies of the logits).
+EXTRA_COPIES = {None: 0, "raw_logprobs": 0, "temperature_logprobs": 0, "processed_logprobs": 0,
+                "processed_logits": 0, "raw_logits": 1}
+
+
+@pytest.mark.parametrize("mode", list(EXTRA_COPIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_random_batch_makes_no_float32_copy_beyond_the_working_buffer(dtype, mode):
+    """A random-sampling batch (temperature, top-k, top-p, min-p: in-place steps) through
+    the Sampler: bf16 logits get exactly one float32 copy, the working buffer the fp32 math
+    runs in; float32 logits are the working buffer themselves (none). A second copy only for
+    raw_logits rows, whose raw values must survive the in-place steps."""
+    rows, vocab = 7, 32000
+    logits = random_logits(rows, vocab, 12, dtype=dtype)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, seed=r,
+                             logprobs=None if mode is None else 2,
+                             logprobs_mode=mode or "raw_logprobs") for r in range(rows)]
+    want = sample_logits(logits, params)
+    s = Sampler(rows, vocab, device="cpu", eos_token_ids=[0], max_logprobs=20)
+    for r, p in enumerate(params):
+        s.add_request(r, p, [1, 2], seed=p.seed)
+    with _LogitsCopies(logits) as spy:
+        out = s.sample(logits, list(range(rows)))
+    working = 1 if dtype == torch.bfloat16 else 0
+    assert len(spy.copies) == working + EXTRA_COPIES[mode], spy.copies
+    assert_same_output(out, want)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "temperature_logprobs"])
+def test_random_half_batch_without_in_place_steps_has_one_float32_copy(mode):
+    """T = 1 and no filter: nothing mutates the bf16 working copy, so even raw_logits rows
+    read their values from it (one float32 copy of the logits in all)."""
+    rows, vocab = 3, 32000
+    logits = random_logits(rows, vocab, 13, dtype=torch.bfloat16)
+    params = [SamplingParams(seed=r, logprobs=1, logprobs_mode=mode) for r in range(rows)]
+    want = sample_logits(logits, params)
+    s = Sampler(rows, vocab, device="cpu", eos_token_ids=[0])
+    for r, p in enumerate(params):
+        s.add_request(r, p, [], seed=p.seed)
+    with _LogitsCopies(logits) as spy:
+        out = s.sample(logits, list(range(rows)))
+    assert len(spy.copies) == 1, spy.copies
+    assert_same_output(out, want)
