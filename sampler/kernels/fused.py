@@ -134,6 +134,12 @@ def _stats_range(
 
 
 @triton.jit
+def _next_up(x):
+    """The next float32 above ``x`` (``x >= 0``)."""
+    return (x.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _kth_largest(lanes, k):
     """The k-th largest of a row's per-lane maxima (-inf when there are fewer than k lanes):
     k distinct tokens are >= it, so it bounds the row's k-th largest value from below."""
@@ -528,17 +534,20 @@ def _fused_sampler_kernel(
                     p_nlo = nb4
                     p_mlo = mb4
                     p_fresh = False
+                    # a bin one float wide holds a single value (a run of ties): no narrower
+                    # bin can split it, and its gathered part has that value throughout
+                    single = e_hi <= _next_up(e_lo)
                     if nb4 + nb <= CAP:
                         p_all = True
                         p_phase += 1
-                    elif (nb <= CAP) | (passes >= MAX_PASSES - 2):
+                    elif (nb <= CAP) | (passes >= MAX_PASSES - 2) | single:
                         p_all = False
                         p_phase += 1
                     else:
                         if p_hi == float("inf"):
                             p_w = p_w * (NP - 1)
-                        else:
-                            p_w = (p_hi - p_lo) / (NP - 1)
+                        else:  # never below one float step, so no two edges coincide
+                            p_w = tl.maximum((p_hi - p_lo) / (NP - 1), _next_up(p_lo) - p_lo)
             elif p_lane & (tl.atomic_add(ctr_p, 0) > CAP):  # too many: refine instead
                 p_lane = False
                 p_t0 = NEG
@@ -554,6 +563,8 @@ def _fused_sampler_kernel(
                 inlist = ii < p_n
                 if p_phase == 1:
                     r = tl.where(p_all, top_k - 1, top_k - p_nlo - 1).to(tl.int32)
+                    # a truncated single-value bin: every entry has the k-th value
+                    r = tl.where(p_all, r, tl.minimum(r, p_n - 1))
                     v_k = tl.sum(tl.where(ii == r, vals, 0.0), 0)
                     # a lane gather holding fewer than k tokens holds every survivor
                     v_k = tl.where(p_lane & (p_n <= r), NEG, v_k)
@@ -602,7 +613,8 @@ def _fused_sampler_kernel(
                         cnt_r, cnt_r.to(tl.float32), r_nlo, 0.0, nlp, 0.0, False, NP)
                     e_lo = r_lo + j.to(tl.float32) * r_w
                     e_hi = tl.where(j == NP - 2, r_hi, r_lo + (j + 1).to(tl.float32) * r_w)
-                    if (not reached) | (nb4 + nb <= CAP) | (passes >= MAX_PASSES - 2):
+                    if ((not reached) | (nb4 + nb <= CAP) | (passes >= MAX_PASSES - 2)
+                            | (e_hi <= _next_up(e_lo))):
                         r_hi = tl.where(reached, e_hi, float("inf"))
                         r_phase = 1
                     else:
@@ -612,7 +624,7 @@ def _fused_sampler_kernel(
                         if r_hi == float("inf"):
                             r_w = r_w * (NP - 1)
                         else:
-                            r_w = (r_hi - r_lo) / (NP - 1)
+                            r_w = tl.maximum((r_hi - r_lo) / (NP - 1), _next_up(r_lo) - r_lo)
                 elif r_lane & (tl.atomic_add(ctr_r, 0) > CAP):  # too many: refine instead
                     r_lane = False
                     r_t0 = NEG

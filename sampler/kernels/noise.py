@@ -101,5 +101,6 @@ def compute_gumbel_noise(
         _noise_kernel[(rows,)](seeds.to(torch.int64).contiguous(),
                                positions.to(torch.int64).contiguous(),
                                sample_indices.to(torch.int64).contiguous(), out, vocab_size,
-                               BLOCK=min(4096, triton.next_power_of_2(vocab_size)))
+                               BLOCK=min(4096, triton.next_power_of_2(vocab_size)),
+                               enable_fp_fusion=False)
     return out

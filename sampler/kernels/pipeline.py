@@ -209,7 +209,8 @@ def run_pipeline_triton(
         part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
         part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
         _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, **flags,
-                                      BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps)
+                                      BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps,
+                                      enable_fp_fusion=False)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
@@ -221,6 +222,9 @@ def run_pipeline_triton(
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=cfg.split > 0,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
         num_warps=cfg.num_warps,
+        # no fused multiply-adds: bin edges computed per element and per row round alike
+        # (as under the interpreter), so a token on an edge never falls between two bins
+        enable_fp_fusion=False,
     )
     if scratch is not None:
         scratch.update(cand=cand, counters=counters, cap=cfg.cap)

@@ -117,5 +117,5 @@ def apply_processing(logits: torch.Tensor, idx_mapping: torch.Tensor, state, pla
         state.iparams.stride(0), state.positions, t.bans, t.nban, t.allowed,
         HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
         HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
-        BLOCK=min(2048, triton.next_power_of_2(vocab)),
+        BLOCK=min(2048, triton.next_power_of_2(vocab)), enable_fp_fusion=False,
     )

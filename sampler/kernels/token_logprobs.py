@@ -58,6 +58,6 @@ def compute_token_logprobs_triton(
     _token_logprobs_kernel[(rows,)](
         logits, logits.stride(0), vocab, token_ids.contiguous().long(),
         temperature.contiguous().float(), raw, temp,
-        BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps,
+        BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return raw, temp

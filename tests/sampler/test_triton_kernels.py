@@ -130,6 +130,40 @@ def test_kept_sets_equal_oracle(seed):
         assert torch.equal(kept_ref, kept_triton), f"row {r}"
 
 
+
+def test_tie_group_larger_than_the_candidate_list_at_the_boundary():
+    """A run of equal values longer than the candidate list straddles the top-k / top-p
+    boundary (bf16 logits make such runs): refinement cannot split it and must keep it whole
+    (tie-extended), never collapse the boundary bin."""
+    from sampler.kernels.pipeline import run_pipeline_triton
+
+    vocab = 600
+    specs = [SamplingParams(top_p=0.5, seed=1), SamplingParams(top_k=100, seed=2),
+             SamplingParams(top_k=100, top_p=0.9, seed=3), SamplingParams(top_p=0.95, seed=4)]
+    sampler = Sampler(4, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
+    for slot, params in enumerate(specs):
+        sampler.add_request(slot, params, [1], seed=params.seed)
+    row = torch.full((vocab,), -2.0)
+    row[10:15] = 2.0
+    row[100:300] = -0.5  # 200 equal values: more than any candidate list of these tests
+    logits = row.expand(len(specs), vocab).contiguous().to(DEVICE)
+    state = sampler.state
+    state.flush()
+    slots = np.arange(len(specs))
+    plan = make_plan(state, slots)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    processed = logits.clone()
+    ref = run_pipeline(processed, idx, state, plan, inplace=True)
+    thresholds = torch.empty(len(specs), device=DEVICE)
+    out = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thresholds)
+    for r in range(len(specs)):
+        kept_ref = torch.isfinite(processed[r])
+        kept_triton = logits[r] >= thresholds[r]
+        assert torch.equal(kept_ref, kept_triton), (r, int(kept_ref.sum()), int(kept_triton.sum()))
+    assert torch.equal(out.token_ids, ref.token_ids)
+    fast = run_pipeline_triton(logits, idx, state, plan, inplace=False)
+    assert torch.equal(fast.token_ids, ref.token_ids)
+
 def test_edge_rows():
     """All -inf, 99% -inf, k = 1 / V-1 / V with ties, p = 0.01: same as torch."""
     vocab = 200
