@@ -140,6 +140,15 @@ def _next_up(x):
 
 
 @triton.jit
+def _next_width(lo, hi, w, NP: tl.constexpr):
+    """Bin width of the next refinement pass over ``[lo, hi)``: the open last bin widens, a
+    closed range splits into NP - 1 bins, never narrower than one float step (so no two
+    edges coincide)."""
+    return tl.where(hi == float("inf"), w * (NP - 1),
+                    tl.maximum((hi - lo) / (NP - 1), _next_up(lo) - lo))
+
+
+@triton.jit
 def _kth_largest(lanes, k):
     """The k-th largest of a row's per-lane maxima (-inf when there are fewer than k lanes):
     k distinct tokens are >= it, so it bounds the row's k-th largest value from below."""
@@ -202,10 +211,12 @@ def _scan(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
+    SKIP: tl.constexpr = True,
 ):
     """One pass over the survivors (processed / T >= thr) of a row. DRAW: the Gumbel-max
-    over the survivors strictly above ``floor`` (token, its value; tiles whose largest value
-    cannot beat the best score so far even with the largest noise skip the noise). COUNT /
+    over the survivors strictly above ``floor`` (token, its value; with SKIP, tiles whose
+    largest value cannot beat the best score so far even with the largest noise skip the
+    noise). COUNT /
     MASS: survivors strictly above ``s_x`` and their mass exp(s - m_s). TOTAL: survivors and
     their mass."""
     NEG = float("-inf")
@@ -230,7 +241,10 @@ def _scan(
         if DRAW:
             kept = valid & (s > floor)
             sk = tl.where(kept, s, NEG)
-            if tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
+            go = True
+            if SKIP:
+                go = tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0)
+            if go:
                 score = tl.where(kept, sk + _gumbel(offs, k0, k1), NEG)
                 am = tl.argmax(score, 1)
                 tv = tl.max(score, 1)
@@ -544,10 +558,7 @@ def _fused_sampler_kernel(
                         p_all = False
                         p_phase += 1
                     else:
-                        if p_hi == float("inf"):
-                            p_w = p_w * (NP - 1)
-                        else:  # never below one float step, so no two edges coincide
-                            p_w = tl.maximum((p_hi - p_lo) / (NP - 1), _next_up(p_lo) - p_lo)
+                        p_w = _next_width(p_lo, p_hi, p_w, NP)
             elif p_lane & (tl.atomic_add(ctr_p, 0) > CAP):  # too many: refine instead
                 p_lane = False
                 p_t0 = NEG
@@ -621,10 +632,7 @@ def _fused_sampler_kernel(
                         r_lo = e_lo
                         r_hi = e_hi
                         r_nlo = nb4
-                        if r_hi == float("inf"):
-                            r_w = r_w * (NP - 1)
-                        else:
-                            r_w = tl.maximum((r_hi - r_lo) / (NP - 1), _next_up(r_lo) - r_lo)
+                        r_w = _next_width(r_lo, r_hi, r_w, NP)
                 elif r_lane & (tl.atomic_add(ctr_r, 0) > CAP):  # too many: refine instead
                     r_lane = False
                     r_t0 = NEG
@@ -657,28 +665,14 @@ def _fused_sampler_kernel(
                 best = tl.max(score, 0)
                 tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
                 tok = tl.where(best > NEG, tok, 0)
-            else:
-                acc_sv = tl.full([R], NEG, tl.float32)
-                acc_si = tl.zeros([R], dtype=tl.int32)
-                for start in range(0, V, BLOCK):
-                    offs, vmask, raw, x = _tile(
-                        base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
-                        freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-                        NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-                        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-                    s = tl.math.div_rn(x, T)
-                    kept = (s >= v_star) & (s > NEG)
-                    go = True
-                    if SKIP:
-                        go = tl.max(tl.max(kept.to(tl.int32), 1), 0) > 0
-                    if go:
-                        score = tl.where(kept, s + _gumbel(offs, k0, k1), NEG)
-                        tv = tl.max(score, 1)
-                        ti = start + lane * VEC + tl.argmax(score, 1)
-                        upd = tv > acc_sv
-                        acc_sv = tl.where(upd, tv, acc_sv)
-                        acc_si = tl.where(upd, ti, acc_si)
-                best, tok = _best(acc_sv, acc_si)
+            else:  # the Gumbel-max over the kept set {s >= v_star}, one pass over the row
+                tok, _s, _c, _g, _n, _z = _scan(
+                    base, row, slot, V, W, T, v_star, m_s, NEG, NEG, k0, k1,
+                    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+                    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+                    ban_ptr, NBAN, allowed_ptr, row_allowed,
+                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+                    DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 
