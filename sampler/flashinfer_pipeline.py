@@ -32,25 +32,19 @@ from typing import Callable
 
 import torch
 
-from sampler.ops import (
-    apply_allowed_token_ids,
-    apply_bad_words,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
-    compute_logprob_outputs,
-)
+from sampler.ops import compute_logprob_outputs
 from sampler.output import SamplerOutput
-from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, _raw_values
+from sampler.pipeline import (
+    PROCESSED_LOGITS,
+    PROCESSED_LOGPROBS,
+    _raw_values,
+    apply_masks_and_penalties,
+)
 from sampler.plan import StepPlan
 from sampler.state import (
-    FREQUENCY,
     LOG_MIN_P,
-    MIN_TOKENS,
     MODE,
     NUM_LOGPROBS,
-    PRESENCE,
-    REPETITION,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -218,18 +212,7 @@ class FlashInferPipeline:
 
             apply_processing(x, idx, state, plan)
             return x
-        f, i = state.fparams, state.iparams
-        if plan.do_allowed:
-            apply_allowed_token_ids(x, idx, state.has_allowed, state.allowed_mask)
-        if plan.do_bad_words:
-            apply_bad_words(x, idx, state.word_tokens, state.word_lens, state.recent_tokens)
-        if plan.do_min_tokens:
-            apply_min_tokens(x, idx, state.positions, i[:, MIN_TOKENS], state.stop_ids)
-        if plan.do_logit_bias:
-            apply_logit_bias(x, idx, state.bias_ids, state.bias_values)
-        if plan.do_penalties:
-            apply_penalties(x, idx, state.prompt_mask, state.output_counts,
-                            f[:, REPETITION], f[:, FREQUENCY], f[:, PRESENCE])
+        apply_masks_and_penalties(x, idx, state, plan)
         return x
 
     def _draw(self, x: torch.Tensor, idx: torch.Tensor, state: SamplerState,

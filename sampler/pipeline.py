@@ -66,6 +66,23 @@ def _raw_values(
     return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
 
 
+def apply_masks_and_penalties(x: torch.Tensor, idx: torch.Tensor, state, plan: StepPlan) -> None:
+    """Steps 2-6 (allowed ids, bad words, min_tokens, logit bias, penalties) on float32 ``x``
+    in place, each only when the plan needs it."""
+    f, i = state.fparams, state.iparams
+    if plan.do_allowed:
+        apply_allowed_token_ids(x, idx, state.has_allowed, state.allowed_mask)
+    if plan.do_bad_words:
+        apply_bad_words(x, idx, state.word_tokens, state.word_lens, state.recent_tokens)
+    if plan.do_min_tokens:
+        apply_min_tokens(x, idx, state.positions, i[:, MIN_TOKENS], state.stop_ids)
+    if plan.do_logit_bias:
+        apply_logit_bias(x, idx, state.bias_ids, state.bias_values)
+    if plan.do_penalties:
+        apply_penalties(x, idx, state.prompt_mask, state.output_counts,
+                        f[:, REPETITION], f[:, FREQUENCY], f[:, PRESENCE])
+
+
 def run_pipeline(
     logits: torch.Tensor,
     idx_mapping: torch.Tensor,
@@ -121,17 +138,7 @@ def run_pipeline(
                                            copy=mutates and inplace)
 
     # 2-6. masks and penalties (every row)
-    if plan.do_allowed:
-        apply_allowed_token_ids(x, idx, state.has_allowed, state.allowed_mask)
-    if plan.do_bad_words:
-        apply_bad_words(x, idx, state.word_tokens, state.word_lens, state.recent_tokens)
-    if plan.do_min_tokens:
-        apply_min_tokens(x, idx, state.positions, i[:, MIN_TOKENS], state.stop_ids)
-    if plan.do_logit_bias:
-        apply_logit_bias(x, idx, state.bias_ids, state.bias_values)
-    if plan.do_penalties:
-        apply_penalties(x, idx, state.prompt_mask, state.output_counts,
-                        f[:, REPETITION], f[:, FREQUENCY], f[:, PRESENCE])
+    apply_masks_and_penalties(x, idx, state, plan)
     # 8-11. random rows only: greedy slots hold T = 1, min-p/top-k/top-p off.
     if plan.do_temperature:
         apply_temperature(x, idx, f[:, TEMPERATURE])
