@@ -15,6 +15,16 @@ _cache_lock = threading.Lock()
 _cached: tuple[str, Engine] | None = None
 
 
+def _params_per_prompt(params: Any, count: int) -> list:
+    """One params value per prompt: a list/tuple of exactly ``count`` entries, else the same
+    value repeated."""
+    if isinstance(params, (list, tuple)):
+        if len(params) != count:
+            raise ValueError(f"params: got {len(params)} entries for {count} prompts")
+        return list(params)
+    return [params] * count
+
+
 def _normalise_prompts(prompts: Any) -> list[Any]:
     if isinstance(prompts, str):
         return [prompts]
@@ -81,11 +91,6 @@ def generate(
         >>> outs[0].output_text  # doctest: +SKIP
     """
     items = _normalise_prompts(prompts)
-    if isinstance(params, (list, tuple)):
-        if len(params) != len(items):
-            raise ValueError(f"params: got {len(params)} entries for {len(items)} prompts")
-        per_prompt = list(params)
-    else:
-        per_prompt = [params] * len(items)
+    per_prompt = _params_per_prompt(params, len(items))
     engine = _engine_for(model, engine_options)
     return engine.generate([(i, p, sp) for i, (p, sp) in enumerate(zip(items, per_prompt))])

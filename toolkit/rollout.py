@@ -109,17 +109,12 @@ class RolloutPool:
         import ray
 
         from actors.rollout import canonical_columns, prepare_params, rollout_schema
-        from toolkit.generate import _normalise_prompts
+        from toolkit.generate import _normalise_prompts, _params_per_prompt
 
         columns = self.logprob_columns if logprob_columns is None \
             else canonical_columns(logprob_columns)
         items = _normalise_prompts(prompts)
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(items):
-                raise ValueError(f"params: got {len(params)} entries for {len(items)} prompts")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(items)
+        per_prompt = _params_per_prompt(params, len(items))
         prepared = prepare_params(per_prompt, columns)
         ids = list(range(len(items))) if ids is None else list(ids)
         if len(ids) != len(items):
