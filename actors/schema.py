@@ -69,12 +69,6 @@ def _top_entries(step: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _top_logprobs(value: Any) -> list[list[dict[str, Any]]] | None:
-    if value is None:
-        return None
-    return [_top_entries(step) for step in value]
-
-
 def _top_logprobs_array(values: Sequence[Any]) -> pa.Array:
     """The ``top_logprobs`` column (list<list<struct>>) built from flat id / value lists and
     offsets. Steps in the engine's own form (lists of ``{token_id, logprob}`` dicts) are read
@@ -108,12 +102,14 @@ def _stop_reason(value: Any) -> str | None:
     return value if isinstance(value, str) else str(value)
 
 
-_CONVERT = {
+_COLUMN = {  # whole-column builders (the bulk of a part with logprobs: no per-entry dicts)
+    "top_logprobs": _top_logprobs_array,
+}
+_CONVERT = {  # per-value converters before pa.array
     "output_token_ids": _as_list,
     "logprobs": _as_list,
     "sampled_ranks": _as_list,
     "prompt_logprobs": _as_list,
-    "top_logprobs": _top_logprobs,
     "stop_reason": _stop_reason,
 }
 
@@ -123,11 +119,12 @@ def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
     ``GenerationOutput``), typed as in the schema. ``id`` is not included."""
     columns: dict[str, pa.Array] = {}
     for f in GENERATED_FIELDS:
-        convert = _CONVERT.get(f.name)
         values = [getattr(o, f.name, None) for o in outputs]
-        if f.name == "top_logprobs":  # the bulk of a part with logprobs: no per-entry dicts
-            columns[f.name] = _top_logprobs_array(values).cast(f.type)
+        build = _COLUMN.get(f.name)
+        if build is not None:
+            columns[f.name] = build(values).cast(f.type)
             continue
+        convert = _CONVERT.get(f.name)
         if convert is not None:
             values = [convert(v) for v in values]
         columns[f.name] = pa.array(values, type=f.type)
