@@ -45,6 +45,9 @@ class EngineConfig:
             None means True on CUDA (with the FlashInfer backend) and False elsewhere.
         cuda_graph_max_batch: the largest captured decode batch; None takes ``max_num_seqs``.
             Larger decode batches, and prefill or mixed steps, run eagerly.
+        fused_layers: swap one-kernel Triton RMSNorm, rotary embedding and gated SiLU into
+            the model (``actors.fused_layers``, each checked against the model's own code
+            first); None means True on CUDA when Triton is installed, False elsewhere.
         sampler_backend: passed to the sampler ("auto", "torch", "triton", "flashinfer").
         max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
         trust_remote_code: allow model code from the checkpoint.
@@ -75,6 +78,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int | None = None
+    fused_layers: bool | None = None
     sampler_backend: str = "auto"
     max_logprobs: int = 20
     trust_remote_code: bool = False
@@ -121,8 +125,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "trust_remote_code", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise _fail("cuda_graphs", "must be true, false or None", self.cuda_graphs)
+        for name in ("cuda_graphs", "fused_layers"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise _fail(name, "must be true, false or None", getattr(self, name))
         if self.device == "auto":
             self.device = _default_device()
         if self.dtype == "auto":

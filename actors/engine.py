@@ -311,6 +311,8 @@ class Engine:
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "attention_backend": self.executor.runner.backend.name,
             "cuda_graphs": self.executor.runner.graphs is not None,
+            "fused_layers": (None if self.executor.runner.fused is None
+                             else self.executor.runner.fused.describe()),
             "sleep_level": self.memory.level,
         }
 

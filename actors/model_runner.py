@@ -12,6 +12,7 @@ one's output reached the host. Pure-decode steps replay a CUDA graph when graphs
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,7 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, kv_cache: KVCache, backend: AttentionBackend,
-                 *, max_num_seqs: int = 8, max_model_len: int = 256):
+                 *, max_num_seqs: int = 8, max_model_len: int = 256, fused=None):
         self.loaded = loaded
         self.kv_cache = kv_cache
         self.backend = backend
@@ -70,6 +71,7 @@ class ModelRunner:
         self.set_backend(backend)
         self.tables = BlockTableMirror(max_num_seqs, -(-max_model_len // self.block_size))
         self.graphs = None  # actors.cuda_graphs.DecodeGraphs once captured
+        self.fused = fused  # actors.fused_layers.FusedLayers installed in the model, or None
         self.sample_rows: torch.Tensor | None = None     # device copies of the step's
         self.sample_inverse: torch.Tensor | None = None  # sample_rows / sample_inverse
 
@@ -213,13 +215,14 @@ class ModelRunner:
                 ctx: StepContext) -> torch.Tensor:
         """The base model on packed ``[T]`` ids/positions -> hidden ``[T, hidden]``."""
         ctx.backend.begin_forward(ctx.plan)
-        out = self.loaded.base_model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=None,
-            use_cache=False,
-            **{STEP_KWARG: ctx},
-        )
+        with self.fused.active() if self.fused is not None else nullcontext():
+            out = self.loaded.base_model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                attention_mask=None,
+                use_cache=False,
+                **{STEP_KWARG: ctx},
+            )
         return out[0][0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

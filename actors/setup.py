@@ -3,6 +3,7 @@ model runner, block manager, scheduler, sampler, input and output processors."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -55,11 +56,16 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     backend_name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
                                         loaded.head_dim)
     use_graphs = resolve_cuda_graphs(config, device, backend_name)
+    fused = None
+    if resolve_fused_layers(config, device):
+        from actors.fused_layers import install_fused_layers
+
+        fused = install_fused_layers(loaded.model)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         reserved = 0
         if device.type == "cuda" and config.kv_cache_memory is None:
-            reserved = profile_step_memory(loaded, config) + _CUDA_WORKSPACE_RESERVE
+            reserved = profile_step_memory(loaded, config, fused) + _CUDA_WORKSPACE_RESERVE
         num_blocks = compute_num_blocks(
             per_block=bytes_per_block(loaded.num_layers, bs, loaded.num_kv_heads,
                                       loaded.head_dim, loaded.dtype),
@@ -76,7 +82,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
                                       loaded.head_dim)
     runner = ModelRunner(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, fused=fused)
     layer_specs = probe_attention_layers(runner)
     if backend_name != "torch":
         runner.set_backend(get_attention_backend(
@@ -108,6 +114,23 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
                               vocab_size=loaded.vocab_size)
     return EngineParts(loaded, max_model_len, kv_cache, runner, scheduler, sampler, inputs,
                        outputs)
+
+
+def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
+    wanted = config.fused_layers
+    if wanted is False:
+        return False
+    if device.type != "cuda":
+        if wanted:
+            raise ValueError("engine.fused_layers: the fused Triton layers need a CUDA device")
+        return False
+    if importlib.util.find_spec("triton") is None:
+        if wanted:
+            raise ValueError("engine.fused_layers: needs triton (pip install triton)")
+        logger.warning("fused layers off: triton is not installed")
+        return False
+    return True
 
 
 def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:
@@ -142,7 +165,7 @@ def _one_token_metadata(num_seqs: int, device: torch.device, block_size: int
 
 
 @torch.no_grad()
-def profile_step_memory(loaded: LoadedModel, config: EngineConfig) -> int:
+def profile_step_memory(loaded: LoadedModel, config: EngineConfig, fused=None) -> int:
     """Peak device bytes one step needs beyond the weights (CUDA): a warm-up forward of
     ``max_num_batched_tokens`` tokens (torch attention over a one-page pool, an upper bound for
     the paged kernels), the LM head on ``max_num_seqs`` rows and a float32 copy of those
@@ -156,7 +179,7 @@ def profile_step_memory(loaded: LoadedModel, config: EngineConfig) -> int:
                     loaded.head_dim, loaded.dtype, device)
     backend = TorchAttentionBackend(cache, loaded.num_heads, loaded.num_kv_heads,
                                     loaded.head_dim)
-    runner = ModelRunner(loaded, cache, backend)
+    runner = ModelRunner(loaded, cache, backend, fused=fused)
     tokens = config.max_num_batched_tokens
     metadata = _one_token_metadata(tokens, device, config.block_size)
     ids = torch.zeros(tokens, dtype=torch.int64, device=device)

@@ -152,6 +152,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         "max_num_seqs": n, "max_num_batched_tokens": args.max_batched_tokens,
         "max_model_len": prompt_len + out,
         "cuda_graphs": DEVICE == "cuda" and not args.no_graphs,
+        "fused_layers": False if args.no_fused_layers else None,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     load_s = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
@@ -184,7 +185,8 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         extra[str(top_p)] = n * out / (time.perf_counter() - t1)
     stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timing,
              "attention_backend": info["attention_backend"],
-             "cuda_graphs": info["cuda_graphs"], "sampler_backend": engine.sampler.backend,
+             "cuda_graphs": info["cuda_graphs"], "fused_layers": info["fused_layers"],
+             "sampler_backend": engine.sampler.backend,
              "num_kv_blocks": info["num_kv_blocks"], "output_tok_s_at_top_p": extra}
     del engine
     return stats
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--hf-batches", default="", help="HF batch sizes (default: all prompts)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--no-fused-layers", action="store_true",
+                   help="the model's own RMSNorm / rotary / SiLU code (no actors.kernels)")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
     p.add_argument("--max-batched-tokens", type=int, default=32768)
     p.add_argument("--extra-top-p", default="", help="top-p values for extra engine runs "
