@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any, Mapping, Sequence
 
 from actors.config import EngineConfig
@@ -27,12 +29,27 @@ class GenerationActor:
     """
 
     def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None):
+        started = time.perf_counter()
         from actors.engine import Engine
 
+        imported = time.perf_counter()
         self.model = str(model)
         self.engine_config = EngineConfig.coerce(engine_config)
         self.engine = Engine(self.model, self.engine_config)
-        logger.info("GenerationActor ready: %s", self.info())
+        built = time.perf_counter()
+        warm = 0.0
+        if self.engine.loaded.device.type == "cuda":  # kernels compiled before real work
+            warm = self.engine.warm_up()
+        age = _process_age_s()
+        self.startup = {"process_age": age, "engine_import": imported - started,
+                        "engine_build": built - imported, "warm_up": warm}
+        logger.info("GenerationActor ready (startup seconds %s): %s", self.startup, self.info())
+
+    def startup_report(self) -> dict[str, float | None]:
+        """Seconds the actor took to start: ``process_age`` (process start to ready, imports and
+        Ray included), ``engine_import``, ``engine_build`` (model load, KV pool, graph capture),
+        ``warm_up`` (CUDA only)."""
+        return dict(self.startup)
 
     def generate(self, prompts: Sequence[Prompt], params: Any = None) -> list[GenerationOutput]:
         """Generates for ``prompts`` (strings, token-id lists or chat message lists).
@@ -109,3 +126,15 @@ class GenerationActor:
 
         server = server_for(self, self.engine)
         return process_shard(task, partial(server.run, exclusive=task.deterministic))
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

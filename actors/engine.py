@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Iterable, Mapping
 
 from actors.config import EngineConfig
@@ -242,6 +243,27 @@ class Engine:
             self._ready = others + self._ready
         mine.sort(key=lambda o: (order[o.id], o.sample_index))
         return mine
+
+    def warm_up(self) -> float:
+        """Runs six short requests through the engine (greedy, seeded top-p, top-k, min-p with
+        top-k and top-p, top-k logprobs, sampled-token logprob) so the first real step does
+        not pay for compiling or loading kernels, then forgets their prefix cache. Returns the
+        seconds it took."""
+        from sampler import SamplingParams
+
+        started = time.perf_counter()
+        vocab = self.loaded.vocab_size
+        common = dict(max_tokens=8, ignore_eos=True, detokenize=False)
+        kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=1),
+                 dict(temperature=1.0, top_k=50),
+                 dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2),
+                 dict(temperature=1.0, logprobs=min(20, self.config.max_logprobs)),
+                 dict(temperature=0.0, logprobs=0)]
+        requests = [(f"__warm_up__.{i}", [(97 * i + 13 * j + 5) % vocab for j in range(16)],
+                     SamplingParams(**kind, **common)) for i, kind in enumerate(kinds)]
+        self.generate(requests)
+        self.reset_prefix_cache()
+        return time.perf_counter() - started
 
     # ------------------------------------------------------------------ RL: weights, memory
     def update_weights(self, weights: Any) -> dict[str, Any]:

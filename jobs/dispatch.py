@@ -36,6 +36,21 @@ class _Slot:
     failed_starts: int = 0  # consecutive starts that died before the actor was ready
 
 
+def _startup_text(handle: Any) -> str:
+    """`` (startup: process 18.2 s, ...)`` from the actor's ``startup_report``, or ""."""
+    import ray
+
+    method = getattr(handle, "startup_report", None)
+    if method is None:
+        return ""
+    try:
+        facts = ray.get(method.remote(), timeout=30)
+    except Exception:  # noqa: BLE001 - a log detail only
+        return ""
+    parts = [f"{k.replace('_', ' ')} {v:.1f} s" for k, v in facts.items() if v is not None]
+    return f" (startup: {', '.join(parts)})" if parts else ""
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -114,7 +129,7 @@ class Dispatcher:
             return
         slot.ready = None
         slot.failed_starts = 0
-        logger.info("%s ready", slot.name)
+        logger.info("%s ready%s", slot.name, _startup_text(slot.handle))
 
     def _kill(self, slot: _Slot) -> None:
         import ray

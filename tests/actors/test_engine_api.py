@@ -116,6 +116,10 @@ def test_generation_actor(tiny_llama):
                                          "max_model_len": 128})
     info = actor.info()
     assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
+    startup = actor.startup_report()
+    assert set(startup) == {"process_age", "engine_import", "engine_build", "warm_up"}
+    assert startup["engine_build"] > 0 and startup["warm_up"] == 0.0  # no warm-up on CPU
+    assert startup["process_age"] > startup["engine_build"]
     params = [SamplingParams(max_tokens=3, n=2, seed=1), {"max_tokens": 2, "seed": 5},
               None]
     outs = actor.generate(["Hello", [5, 6, 7], [{"role": "user", "content": "hi"}]], params)
@@ -142,3 +146,17 @@ def test_generation_actor_under_ray(tiny_llama):
         assert ray.get(remote.info.remote())["max_num_seqs"] == 2
     finally:
         ray.shutdown()
+
+
+def test_warm_up_leaves_nothing_behind(tiny_llama):
+    """warm_up runs its six requests to completion: no outputs surface later, the prefix cache
+    is empty again, and a request afterwards gives what it gives on a fresh engine."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=4, logprobs=2)
+    fresh = make_engine(tiny_llama).generate([("a", [5, 6, 7, 8], params)])
+    engine = make_engine(tiny_llama)
+    assert engine.warm_up() > 0
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert not engine.scheduler.bm._cached
+    again = engine.generate([("a", [5, 6, 7, 8], params)])
+    assert [(o.output_token_ids, o.logprobs) for o in again] == \
+        [(o.output_token_ids, o.logprobs) for o in fresh]
