@@ -17,6 +17,9 @@ def main(src: str, dst: str) -> None:
 
     data = json.load(open(src))
     recs = [r for r in data["records"] if "gpu_ms" in r and r.get("source", "grid") == "grid"]
+    seen = {(r["workload"], r["batch"], r["vocab"], r["backend"]) for r in recs}
+    recs += [r for r in data["records"] if "gpu_ms" in r and r.get("source") == "b256_run"
+             and (r["workload"], r["batch"], r["vocab"], r["backend"]) not in seen]
     vocab = max(r["vocab"] for r in recs)
     workloads = sorted({r["workload"] for r in recs if r["vocab"] == vocab})
     fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2), sharey=True)
@@ -32,7 +35,8 @@ def main(src: str, dst: str) -> None:
         ax.set_title(w, fontsize=9)
         ax.set_xlabel("batch")
     axes[0].set_ylabel(f"GPU µs per step (vocab {vocab})")
-    axes[0].legend(fontsize=8)
+    fullest = max(axes, key=lambda a: len(a.get_lines()))
+    fullest.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 

@@ -35,20 +35,35 @@ def _top_p_ambiguous(stats: torch.Tensor, survivors: torch.Tensor, top_p: float,
     return True
 
 
+KEPT_SET_BATCHES = 200
+
+
+def kept_set_batches(start: int = 0, stop: int = KEPT_SET_BATCHES):
+    """The random batches of the kept-set test: (index, sampler, slots, bf16/fp32 logits)."""
+    rng = np.random.default_rng(0)
+    for b in range(stop):
+        rows = int(rng.integers(1, 64))
+        vocab = int(rng.choice([1000, 32000, 151936]))
+        scale = float(rng.uniform(1, 5))
+        if b < start:
+            continue
+        sampler, slots = make_batch(1000 + b, rows, vocab, max_num_seqs=64)
+        dtype = torch.bfloat16 if b % 2 else torch.float32
+        logits = (torch.randn(rows, vocab, device=DEV) * scale).to(dtype)
+        yield b, sampler, slots, logits
+
+
 def test_triton_kept_sets_and_tokens_equal_torch_on_200_batches():
     """Kept sets equal the torch oracle's; where they differ it is only a top-p boundary token
-    whose strictly-greater mass is within float32 rounding of p (sums in another order)."""
+    whose strictly-greater mass is within float32 rounding of p (sums in another order).
+    Each new kernel specialisation compiles in seconds on the GPU and the batches need ~20:
+    ``python -m tests.sampler.prewarm_gpu_kernels`` compiles them ahead in parallel."""
     from sampler.kernels.pipeline import run_pipeline_triton
     from sampler.state import TOP_P
 
-    rng = np.random.default_rng(0)
     token_mismatch = exact_rows = boundary_rows = 0
-    for b in range(200):
-        rows = int(rng.integers(1, 64))
-        vocab = int(rng.choice([1000, 32000, 151936]))
-        sampler, slots = make_batch(1000 + b, rows, vocab, max_num_seqs=64)
-        dtype = torch.bfloat16 if b % 2 else torch.float32
-        logits = (torch.randn(rows, vocab, device=DEV) * float(rng.uniform(1, 5))).to(dtype)
+    for b, sampler, slots, logits in kept_set_batches():
+        rows, vocab = logits.shape
         state = sampler.state
         state.flush()
         plan = make_plan(state, slots)
