@@ -116,37 +116,34 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
                        outputs)
 
 
-def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
-    """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
-    wanted = config.fused_layers
+def _cuda_feature(name: str, wanted: bool | None, device: torch.device,
+                  missing: str | None) -> bool:
+    """Whether an on-by-default CUDA feature runs: never when turned off; off another device
+    (an error when asked for explicitly); off with a warning when ``missing`` says why it
+    cannot run here."""
     if wanted is False:
         return False
     if device.type != "cuda":
         if wanted:
-            raise ValueError("engine.fused_layers: the fused Triton layers need a CUDA device")
+            raise ValueError(f"engine.{name}: needs a CUDA device")
         return False
-    if importlib.util.find_spec("triton") is None:
-        if wanted:
-            raise ValueError("engine.fused_layers: needs triton (pip install triton)")
-        logger.warning("fused layers off: triton is not installed")
+    if missing is not None:
+        logger.warning("%s off: %s", name, missing)
         return False
     return True
+
+
+def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
+    missing = None if importlib.util.find_spec("triton") else "triton is not installed"
+    return _cuda_feature("fused_layers", config.fused_layers, device, missing)
 
 
 def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:
     """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend)."""
-    wanted = config.cuda_graphs
-    if wanted is False:
-        return False
-    if device.type != "cuda":
-        if wanted:
-            raise ValueError("engine.cuda_graphs: CUDA graphs need a CUDA device")
-        return False
-    if backend_name != "flashinfer":
-        logger.warning("CUDA graphs off: they need the flashinfer attention backend "
-                       "(attention backend is %s)", backend_name)
-        return False
-    return True
+    missing = None if backend_name == "flashinfer" else (
+        f"they need the flashinfer attention backend (attention backend is {backend_name})")
+    return _cuda_feature("cuda_graphs", config.cuda_graphs, device, missing)
 
 
 def _one_token_metadata(num_seqs: int, device: torch.device, block_size: int

@@ -111,7 +111,7 @@ def test_cuda_graphs_option(tiny_llama):
         EngineConfig(cuda_graphs="yes")
     with pytest.raises(ValueError, match="engine.cuda_graph_max_batch"):
         EngineConfig(cuda_graph_max_batch=0)
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+    with pytest.raises(ValueError, match="engine.cuda_graphs: needs a CUDA device"):
         Engine(tiny_llama, {"device": "cpu", "cuda_graphs": True, "num_kv_blocks": 16,
                             "max_model_len": 64})
     engine = Engine(tiny_llama, {"device": "cpu", "num_kv_blocks": 16, "max_model_len": 64})
