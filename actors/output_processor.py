@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from actors.detokenizer import IncrementalDetokenizer, find_stop_string
-from actors.outputs import GenerationOutput
+from actors.outputs import GenerationOutput, TopLogprobs
 from actors.sequence import PENDING, Request, Sequence
 
 
@@ -47,10 +47,13 @@ class OutputProcessor:
         """Appends one step's sampled-token value, rank and top-k to the sequence."""
         seq.logprobs.append(value)
         seq.sampled_ranks.append(rank)
-        if seq.top_logprobs is not None:
-            k = seq.request.params.logprobs
-            k = self.vocab_size if k == -1 else k
-            seq.top_logprobs.append(_pairs(top_ids[:k], top_values[:k]))
+        if seq.top_logprobs is not None:  # views: a step's host arrays are never reused
+            k = self._top_k(seq)
+            seq.top_logprobs.append((top_ids[:k], top_values[:k]))
+
+    def _top_k(self, seq: Sequence) -> int:
+        k = seq.request.params.logprobs
+        return self.vocab_size if k == -1 else k
 
     @staticmethod
     def record_token_logprobs(seq: Sequence, raw: float, temperature: float) -> None:
@@ -125,7 +128,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            top_logprobs=seq.top_logprobs,
+            top_logprobs=None if seq.top_logprobs is None
+            else TopLogprobs.from_steps(seq.top_logprobs, self._top_k(seq)),
             sampled_ranks=seq.sampled_ranks,
             prompt_logprobs=list(request.prompt_logprobs)
             if request.prompt_logprobs is not None else None,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -27,6 +30,64 @@ SCHEMA_FIELDS: tuple[str, ...] = (
 )
 
 
+class TopLogprobs(Sequence):
+    """The top-k of every generated step, held as two ``[steps, k]`` arrays (``token_ids``,
+    ``logprobs``) and read as a sequence of steps, each a list of ``{"token_id", "logprob"}``
+    dicts in descending order; it compares equal to that list of lists, and ``to_list()``
+    builds it. Keeping arrays saves a dict per entry per step on the engine's host path; the
+    output table reads the arrays directly.
+
+    Example:
+        >>> top = TopLogprobs(np.array([[7, 3]]), np.array([[-0.5, -1.5]], np.float32))
+        >>> top[0]
+        [{'token_id': 7, 'logprob': -0.5}, {'token_id': 3, 'logprob': -1.5}]
+    """
+
+    __slots__ = ("token_ids", "logprobs")
+
+    def __init__(self, token_ids: np.ndarray, logprobs: np.ndarray):
+        if token_ids.shape != logprobs.shape or token_ids.ndim != 2:
+            raise ValueError(f"top logprobs: token_ids {token_ids.shape} and logprobs "
+                             f"{logprobs.shape} must be the same [steps, k] shape")
+        self.token_ids, self.logprobs = token_ids, logprobs
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> TopLogprobs:
+        """From one (ids, values) pair of length ``k`` per step."""
+        if not steps:
+            return cls(np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+        return cls(np.stack([i for i, _ in steps]), np.stack([v for _, v in steps]))
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return [{"token_id": t, "logprob": v} for t, v in
+                zip(self.token_ids[index].tolist(), self.logprobs[index].tolist())]
+
+    def to_list(self) -> list[list[dict[str, Any]]]:
+        return [[{"token_id": t, "logprob": v} for t, v in zip(ids, values)]
+                for ids, values in zip(self.token_ids.tolist(), self.logprobs.tolist())]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TopLogprobs):
+            return (np.array_equal(self.token_ids, other.token_ids)
+                    and np.array_equal(self.logprobs, other.logprobs))
+        if isinstance(other, (list, tuple)):
+            return self.to_list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TopLogprobs({self.to_list()!r})"
+
+    def __reduce__(self):
+        return TopLogprobs, (self.token_ids, self.logprobs)
+
+
 @dataclass(slots=True)
 class GenerationOutput:
     """The result of one sample of one request.
@@ -42,7 +103,8 @@ class GenerationOutput:
         logprobs: the sampled token's value per step in the row's ``logprobs_mode``, or None
             when ``logprobs`` was not requested.
         top_logprobs: per step, the top-k ``{"token_id", "logprob"}`` pairs (descending), when
-            ``logprobs > 0`` (or -1: the whole vocab); else None.
+            ``logprobs > 0`` (or -1: the whole vocab); else None. The engine fills it with a
+            :class:`TopLogprobs` (reads as that list of lists; ``to_dict`` gives plain lists).
         sampled_ranks: rank of the sampled token per step (1 = argmax), when logprobs requested.
         prompt_logprobs: log P(prompt[i] | prompt[:i]) per prompt position, element 0 None,
             when ``prompt_logprobs`` was requested.
@@ -63,7 +125,7 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     logprobs: list[float] | None = None
-    top_logprobs: list[list[dict[str, Any]]] | None = None
+    top_logprobs: TopLogprobs | list[list[dict[str, Any]]] | None = None
     sampled_ranks: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
     num_prompt_tokens: int = 0
@@ -77,6 +139,8 @@ class GenerationOutput:
     def to_dict(self, *, include_prompt_top_logprobs: bool = False) -> dict[str, Any]:
         """The schema columns as a dict (``prompt_top_logprobs`` only when asked)."""
         out = {name: getattr(self, name) for name in SCHEMA_FIELDS}
+        if isinstance(self.top_logprobs, TopLogprobs):
+            out["top_logprobs"] = self.top_logprobs.to_list()
         if include_prompt_top_logprobs:
             out["prompt_top_logprobs"] = self.prompt_top_logprobs
         return out

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
+
+from actors.outputs import TopLogprobs
 
 TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 
@@ -70,29 +73,50 @@ def _top_entries(step: Any) -> list[dict[str, Any]]:
 
 
 def _top_logprobs_array(values: Sequence[Any]) -> pa.Array:
-    """The ``top_logprobs`` column (list<list<struct>>) built from flat id / value lists and
-    offsets. Steps in the engine's own form (lists of ``{token_id, logprob}`` dicts) are read
-    without a per-entry conversion; any other form goes through :func:`_top_entries`."""
-    ids: list[int] = []
-    values_out: list[float] = []
-    step_offsets = [0]
-    row_offsets = [0]
+    """The ``top_logprobs`` column (list<list<struct>>) built from flat id / value arrays and
+    offsets. The engine's :class:`~actors.outputs.TopLogprobs` is read as arrays; steps as
+    lists of ``{token_id, logprob}`` dicts without a per-entry conversion; any other form goes
+    through :func:`_top_entries`."""
+    ids: list[np.ndarray] = []
+    logprobs: list[np.ndarray] = []
+    step_lengths: list[np.ndarray] = []
+    row_steps = []
     nulls = []
     for value in values:
         nulls.append(value is None)
-        if value is not None:
+        if value is None:
+            row_steps.append(0)
+        elif isinstance(value, TopLogprobs):
+            steps, k = value.token_ids.shape
+            ids.append(value.token_ids.reshape(-1))
+            logprobs.append(value.logprobs.reshape(-1))
+            step_lengths.append(np.full(steps, k, np.int64))
+            row_steps.append(steps)
+        else:
+            flat_ids: list[int] = []
+            flat_values: list[float] = []
+            lengths = []
             for step in value:
                 if type(step) is not list or (step and type(step[0]) is not dict):
                     step = _top_entries(step)
-                ids.extend([e["token_id"] for e in step])
-                values_out.extend([e["logprob"] for e in step])
-                step_offsets.append(len(ids))
-        row_offsets.append(len(step_offsets) - 1)
+                flat_ids.extend([e["token_id"] for e in step])
+                flat_values.extend([e["logprob"] for e in step])
+                lengths.append(len(step))
+            ids.append(np.asarray(flat_ids, np.int64))
+            logprobs.append(np.asarray(flat_values, np.float64))
+            step_lengths.append(np.asarray(lengths, np.int64))
+            row_steps.append(len(lengths))
+
+    def joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    step_offsets = np.concatenate([[0], np.cumsum(joined(step_lengths, np.int64))])
+    row_offsets = np.concatenate([[0], np.cumsum(np.asarray(row_steps, np.int64))])
     entries = pa.StructArray.from_arrays(
-        [pa.array(ids, pa.int32()), pa.array(values_out, pa.float32())],
+        [pa.array(joined(ids, np.int32)), pa.array(joined(logprobs, np.float32))],
         fields=list(TOP_LOGPROB))
-    steps = pa.ListArray.from_arrays(pa.array(step_offsets, pa.int32()), entries)
-    return pa.ListArray.from_arrays(pa.array(row_offsets, pa.int32()), steps,
+    steps = pa.ListArray.from_arrays(pa.array(step_offsets.astype(np.int32)), entries)
+    return pa.ListArray.from_arrays(pa.array(row_offsets.astype(np.int32)), steps,
                                     mask=pa.array(nulls) if any(nulls) else None)
 
 

@@ -73,7 +73,7 @@ class Sequence:
     # outputs
     logprobs: list[float] | None = None
     sampled_ranks: list[int] | None = None
-    top_logprobs: list[list[dict[str, Any]]] | None = None
+    top_logprobs: list[tuple[Any, Any]] | None = None  # per step: (top ids, top values)
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None

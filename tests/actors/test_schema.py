@@ -54,3 +54,44 @@ def test_build_table_keeps_the_schema_with_top_logprobs():
     assert table.column("top_logprobs").to_pylist() == [
         [[{"token_id": 1, "logprob": -0.10000000149011612}],
          [{"token_id": 2, "logprob": -0.20000000298023224}]]]
+
+
+def test_engine_top_logprobs_arrays_give_the_same_column_as_their_dicts():
+    from actors.outputs import TopLogprobs
+
+    rng = np.random.default_rng(1)
+
+    def top(steps, k):
+        return TopLogprobs(rng.integers(0, 150_000, (steps, k)),
+                           rng.standard_normal((steps, k)).astype(np.float32))
+
+    arrays = [top(4, 5), None, top(0, 20), top(128, 20), top(3, 1)]
+    as_dicts = [None if v is None else v.to_list() for v in arrays]
+    got = _top_logprobs_array(arrays)
+    assert got.equals(_reference(as_dicts)) and got.equals(_top_logprobs_array(as_dicts))
+    mixed = [arrays[0], as_dicts[3], None]  # arrays and dict lists in one column
+    assert _top_logprobs_array(mixed).equals(_reference([as_dicts[0], as_dicts[3], None]))
+
+
+def test_top_logprobs_reads_as_a_list_of_steps():
+    import pickle
+
+    from actors.outputs import GenerationOutput, TopLogprobs
+
+    ids = np.array([[7, 3], [1, 2], [9, 8]])
+    values = np.array([[-0.5, -1.5], [-0.25, -2.0], [-1.0, -1.25]], np.float32)
+    top = TopLogprobs(ids, values)
+    plain = [[{"token_id": 7, "logprob": -0.5}, {"token_id": 3, "logprob": -1.5}],
+             [{"token_id": 1, "logprob": -0.25}, {"token_id": 2, "logprob": -2.0}],
+             [{"token_id": 9, "logprob": -1.0}, {"token_id": 8, "logprob": -1.25}]]
+    assert len(top) == 3 and top == plain and plain == top and top.to_list() == plain
+    assert top[-1] == plain[-1] and top[1:] == plain[1:] and list(top) == plain
+    assert top != plain[:2] and top != [[{"token_id": 7, "logprob": -0.5}]] * 3
+    assert type(top[0][0]["token_id"]) is int and type(top[0][0]["logprob"]) is float
+    assert pickle.loads(pickle.dumps(top)) == top
+    out = GenerationOutput(id="a", top_logprobs=top)
+    assert out.to_dict()["top_logprobs"] == plain and type(out.to_dict()["top_logprobs"]) is list
+    empty = TopLogprobs.from_steps([], 4)
+    assert len(empty) == 0 and empty == [] and empty.token_ids.shape == (0, 4)
+    stacked = TopLogprobs.from_steps([(ids[i], values[i]) for i in range(3)], 2)
+    assert stacked == top
