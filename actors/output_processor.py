@@ -47,9 +47,9 @@ class OutputProcessor:
         """Appends one step's sampled-token value, rank and top-k to the sequence."""
         seq.logprobs.append(value)
         seq.sampled_ranks.append(rank)
-        if seq.top_logprobs is not None:  # views: a step's host arrays are never reused
-            k = self._top_k(seq)
-            seq.top_logprobs.append((top_ids[:k], top_values[:k]))
+        if seq.top_logprobs is not None:  # copies: a view would keep the step's pinned
+            k = self._top_k(seq)           # host buffer alive as long as the sequence
+            seq.top_logprobs.append((top_ids[:k].copy(), top_values[:k].copy()))
 
     def _top_k(self, seq: Sequence) -> int:
         k = seq.request.params.logprobs
