@@ -58,14 +58,7 @@ class GenerationActor:
         prompt. Returns one output per (prompt, sample), in prompt order then sample_index;
         the request ids are the prompt positions 0..len(prompts)-1.
         """
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"params: got {len(params)} entries for {len(prompts)} prompts"
-                )
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
+        per_prompt = params_per_prompt(params, len(prompts))
         requests = [(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
         return self.engine.generate(requests)
 
@@ -126,6 +119,16 @@ class GenerationActor:
 
         server = server_for(self, self.engine)
         return process_shard(task, partial(server.run, exclusive=task.deterministic))
+
+
+def params_per_prompt(params: Any, count: int) -> list:
+    """One params value per prompt: a list/tuple of exactly ``count`` entries, else the same
+    value repeated."""
+    if isinstance(params, (list, tuple)):
+        if len(params) != count:
+            raise ValueError(f"params: got {len(params)} entries for {count} prompts")
+        return list(params)
+    return [params] * count
 
 
 def _process_age_s() -> float | None:

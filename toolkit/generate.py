@@ -15,16 +15,6 @@ _cache_lock = threading.Lock()
 _cached: tuple[str, Engine] | None = None
 
 
-def _params_per_prompt(params: Any, count: int) -> list:
-    """One params value per prompt: a list/tuple of exactly ``count`` entries, else the same
-    value repeated."""
-    if isinstance(params, (list, tuple)):
-        if len(params) != count:
-            raise ValueError(f"params: got {len(params)} entries for {count} prompts")
-        return list(params)
-    return [params] * count
-
-
 def _normalise_prompts(prompts: Any) -> list[Any]:
     if isinstance(prompts, str):
         return [prompts]
@@ -90,7 +80,9 @@ def generate(
         ...                 model="/tmp/tiny-llama")  # doctest: +SKIP
         >>> outs[0].output_text  # doctest: +SKIP
     """
+    from actors.actor import params_per_prompt
+
     items = _normalise_prompts(prompts)
-    per_prompt = _params_per_prompt(params, len(items))
+    per_prompt = params_per_prompt(params, len(items))
     engine = _engine_for(model, engine_options)
     return engine.generate([(i, p, sp) for i, (p, sp) in enumerate(zip(items, per_prompt))])

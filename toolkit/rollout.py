@@ -109,12 +109,13 @@ class RolloutPool:
         import ray
 
         from actors.rollout import canonical_columns, prepare_params, rollout_schema
-        from toolkit.generate import _normalise_prompts, _params_per_prompt
+        from actors.actor import params_per_prompt
+        from toolkit.generate import _normalise_prompts
 
         columns = self.logprob_columns if logprob_columns is None \
             else canonical_columns(logprob_columns)
         items = _normalise_prompts(prompts)
-        per_prompt = _params_per_prompt(params, len(items))
+        per_prompt = params_per_prompt(params, len(items))
         prepared = prepare_params(per_prompt, columns)
         ids = list(range(len(items))) if ids is None else list(ids)
         if len(ids) != len(items):
