@@ -36,16 +36,9 @@ class _Slot:
     failed_starts: int = 0  # consecutive starts that died before the actor was ready
 
 
-def _startup_text(handle: Any) -> str:
-    """`` (startup: process 18.2 s, ...)`` from the actor's ``startup_report``, or ""."""
-    import ray
-
-    method = getattr(handle, "startup_report", None)
-    if method is None:
-        return ""
-    try:
-        facts = ray.get(method.remote(), timeout=30)
-    except Exception:  # noqa: BLE001 - a log detail only
+def _startup_text(facts: Any) -> str:
+    """`` (startup: process age 18.2 s, ...)`` from an actor's ``startup_report``, or ""."""
+    if not isinstance(facts, dict):
         return ""
     parts = [f"{k.replace('_', ' ')} {v:.1f} s" for k, v in facts.items() if v is not None]
     return f" (startup: {', '.join(parts)})" if parts else ""
@@ -106,14 +99,16 @@ class Dispatcher:
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot) -> None:
         slot.handle = self._start_actor()
-        slot.ready = slot.handle.__ray_ready__.remote()
+        # the actor's startup report (when it has one) doubles as the readiness call
+        ready = getattr(slot.handle, "startup_report", None) or slot.handle.__ray_ready__
+        slot.ready = ready.remote()
         slot.exclusive = False
 
     def _on_ready(self, slot: _Slot, ref: Any) -> None:
         import ray
 
         try:
-            ray.get(ref)
+            facts = ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - the actor died while starting
             if getattr(exc, "actor_init_failed", False):  # its constructor raised
                 lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -129,7 +124,7 @@ class Dispatcher:
             return
         slot.ready = None
         slot.failed_starts = 0
-        logger.info("%s ready%s", slot.name, _startup_text(slot.handle))
+        logger.info("%s ready%s", slot.name, _startup_text(facts))
 
     def _kill(self, slot: _Slot) -> None:
         import ray
