@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import random
 import sys
@@ -73,13 +74,21 @@ class _Killer(threading.Thread):
         self.stop = threading.Event()
 
     def _pid(self, handle) -> int | None:
-        """The process of a loaded actor that is still alive, else None."""
+        """The process of a loaded actor that is still running and has not claimed the exit
+        token, else None: killing an actor that is exiting by itself would make one death of
+        two."""
         path = self.run_dir / f"actor-{handle._actor_id.hex()}.pid"
         try:
             pid = int(path.read_text())
         except (OSError, ValueError):
             return None  # still loading
-        return pid if Path(f"/proc/{pid}").exists() else None
+        if (self.run_dir / f"exit-token.claimed-by-{pid}").exists():
+            return None
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None  # gone
+        return pid if state not in ("Z", "X") else None  # a zombie has exited already
 
     def run(self) -> None:
         while not self.stop.is_set() and not list(self.run_dir.glob("actor-*.pid")):
@@ -97,7 +106,7 @@ class _Killer(threading.Thread):
 
 
 def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_path,
-                                                         monkeypatch):
+                                                         monkeypatch, caplog):
     rng = random.Random(20240808)
     handles: list = []
     real_factory = jobs.cluster.actor_factory
@@ -119,6 +128,7 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
     killer = _Killer(handles, tmp_path, kills=2, rng=rng)
     killer.start()
     attempts = 4  # 3 deaths can never exhaust it, so every row must come out right
+    caplog.set_level(logging.WARNING, logger="jobs.dispatch")
     try:
         result = run_job(reliability_job.config(out, max_shard_attempts=attempts),
                          actor_cls=faulty_actor(str(tmp_path), rng.randint(3, 25)),
@@ -129,7 +139,12 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
     assert len(killer.killed) == 2, "the job ended before both ray.kill deaths"
     assert not token.exists() and list(tmp_path.glob("exit-token.claimed-by-*")), \
         "no actor exited from inside"
-    assert len(handles) == 2 + 3  # two actors, and one replacement per death
+    # Every death the driver saw got one replacement. A death it never saw needs none: an
+    # actor killed while idle at the end of the job (its slot got no further shard).
+    seen = [r.getMessage() for r in caplog.records if r.name == "jobs.dispatch"
+            and (" lost (" in r.getMessage() or "died while starting" in r.getMessage())]
+    assert 1 <= len(seen) <= 3, seen
+    assert len(handles) == 2 + len(seen), seen
 
     table = read_output(out)
     clean = reliability_job.table
