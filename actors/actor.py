@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -40,6 +41,10 @@ class GenerationActor:
         warm = 0.0
         if self.engine.loaded.device.type == "cuda":  # kernels compiled before real work
             warm = self.engine.warm_up()
+        # what is alive now (modules, model, engine) lives as long as the actor: keep it out
+        # of the collector's full passes, which otherwise walk it while the engine loop waits
+        gc.collect()
+        gc.freeze()
         age = _process_age_s()
         self.startup = {"process_age": age, "engine_import": imported - started,
                         "engine_build": built - imported, "warm_up": warm}
@@ -118,7 +123,11 @@ class GenerationActor:
         from actors.shard import process_shard
 
         server = server_for(self, self.engine)
-        return process_shard(task, partial(server.run, exclusive=task.deterministic))
+        stats: dict[str, float] = {}
+        result = process_shard(task, partial(server.run, exclusive=task.deterministic,
+                                             stats=stats))
+        result.engine = stats
+        return result
 
 
 def params_per_prompt(params: Any, count: int) -> list:

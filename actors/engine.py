@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from actors.config import EngineConfig
@@ -28,7 +29,27 @@ from actors.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "StepCounters"]
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Running totals of ``Engine.step()`` calls (a few clock reads a step): ``steps`` that
+    launched work, seconds inside ``step()`` (``busy_s``) and, of those, seconds blocked on
+    the device for the previous step's results (``device_wait_s``). Differences of two
+    snapshots describe a stretch of work: host time per step is ``(busy_s - device_wait_s) /
+    steps``; a host that keeps ahead of the device shows most of ``busy_s`` as waiting."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    device_wait_s: float = 0.0
+
+    def snapshot(self) -> "StepCounters":
+        return StepCounters(self.steps, self.busy_s, self.device_wait_s)
+
+    def since(self, before: "StepCounters") -> "StepCounters":
+        return StepCounters(self.steps - before.steps, self.busy_s - before.busy_s,
+                            self.device_wait_s - before.device_wait_s)
 
 
 class Engine:
@@ -66,6 +87,7 @@ class Engine:
         self.weights = WeightLoader(self.loaded.model)
         self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
         self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
+        self.counters = StepCounters()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Any, prompt: Any, params: Any = None, *,
@@ -164,6 +186,7 @@ class Engine:
     def step(self) -> list[GenerationOutput]:
         """Runs one step; returns the outputs of the samples that finished (or failed)."""
         with self._step_lock:
+            started = time.perf_counter()
             if self._blocked is not None and self.has_unfinished_requests():
                 raise RuntimeError(self._blocked)
             self._drain_inbox()
@@ -177,6 +200,9 @@ class Engine:
                 self._process(self._inflight)
             self._inflight = launched
             ready, self._ready = self._ready, []
+            counters = self.counters
+            counters.steps += launched is not None
+            counters.busy_s += time.perf_counter() - started
             return ready
 
     def _admit_to_sampler(self, seq: Sequence) -> None:
@@ -197,7 +223,9 @@ class Engine:
         timer = self.executor.timer
         if timer is not None:
             timer.wait_begin()
+        waited = time.perf_counter()
         host = step.output.get()
+        self.counters.device_wait_s += time.perf_counter() - waited
         if timer is not None:
             timer.wait_end()
         tokens = host.token_ids.tolist()

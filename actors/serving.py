@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ class _Batch:
         self.outputs: list[Any] = []
         self.done = threading.Event()
         self.failure: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.admitted = 0.0
+        self.counters_at_admission: Any = None
+        self.stats: dict[str, float] = {}
 
     def add(self, output: Any) -> None:
         rid = str(output.id)
@@ -80,10 +85,14 @@ class EngineServer:
         self._thread.start()
 
     def run(self, requests: Sequence[tuple[str, Any, Any]], *,
-            exclusive: bool = False) -> list[Any]:
+            exclusive: bool = False, stats: dict[str, float] | None = None) -> list[Any]:
         """Adds ``requests`` (request_id, prompt, params) and blocks until every sample of each
         has finished. Returns their outputs in finishing order. ``exclusive``: run them alone
-        on an idle engine with a fresh prefix cache (see the module docstring)."""
+        on an idle engine with a fresh prefix cache (see the module docstring). ``stats``: a
+        dict that receives where the call's time went: ``queued_s`` (waiting to be admitted),
+        ``run_s`` (admission to the last output) and the engine's ``steps``, ``busy_s`` and
+        ``device_wait_s`` over ``run_s`` (``Engine.counters``; a shared call's figures include
+        the steps it shared)."""
         batch = _Batch(requests, exclusive)
         if not batch.expected:
             return []
@@ -95,6 +104,8 @@ class EngineServer:
         batch.done.wait()
         if batch.failure is not None:
             raise EngineFailure(f"engine step failed: {batch.failure!r}") from batch.failure
+        if stats is not None:
+            stats.update(batch.stats)
         return batch.outputs
 
     def _admissible(self) -> list[_Batch]:
@@ -118,6 +129,8 @@ class EngineServer:
                     break
                 self._cond.wait()
         for batch in taken:
+            batch.admitted = time.perf_counter()
+            batch.counters_at_admission = self._counters()
             for rid in batch.expected:
                 self._owner[rid] = batch
             self._engine.add_requests(batch.requests, fresh_prefix_cache=batch.exclusive)
@@ -145,7 +158,20 @@ class EngineServer:
             if not self._engine.has_unfinished_requests():
                 self._release_stuck()
 
+    def _counters(self) -> Any:
+        counters = getattr(self._engine, "counters", None)
+        return counters.snapshot() if counters is not None else None
+
     def _release(self, batch: _Batch) -> None:
+        now = time.perf_counter()
+        if batch.admitted:
+            batch.stats = {"queued_s": batch.admitted - batch.submitted,
+                           "run_s": now - batch.admitted}
+            before, after = batch.counters_at_admission, self._counters()
+            if before is not None and after is not None:
+                spent = after.since(before)
+                batch.stats.update(steps=spent.steps, busy_s=spent.busy_s,
+                                   device_wait_s=spent.device_wait_s)
         for rid in batch.expected:
             self._owner.pop(rid, None)
         if self._exclusive is batch:

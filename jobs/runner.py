@@ -159,8 +159,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
             raise OSError(f"output: cannot update the manifest in {config.output!r}: {exc}") \
                 from exc
         if result.phases:  # where the shard's time went on the actor
-            logger.info("shard %d by %s: %s", result.shard_id, actor,
-                        ", ".join(f"{k} {v:.2f} s" for k, v in result.phases.items()))
+            logger.info("shard %d by %s: %s", result.shard_id, actor, result.timing())
         for message in result.error_messages[:1]:
             logger.warning("shard %d: %d error rows, e.g. %s", result.shard_id, result.errors,
                            message)

@@ -3,6 +3,7 @@ step structure (one step in flight), and GenerationActor."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -53,6 +54,27 @@ def test_one_step_in_flight(tiny_llama):
     assert [len(c) for c in calls] == [0, 0, 0, 1]
     assert calls[3][0].num_output_tokens == 3
     assert engine.stats.num_steps == 4 and not engine.has_unfinished_requests()
+    counters = engine.counters  # 3 launches (prefill + 2 decodes); the 4th call only reads
+    assert counters.steps == 3
+    assert 0 <= counters.device_wait_s <= counters.busy_s
+
+
+def test_server_reports_where_a_call_spent_its_time(tiny_llama):
+    from actors.serving import EngineServer
+
+    engine = make_engine(tiny_llama)
+    server = EngineServer(engine)
+    params = SamplingParams(max_tokens=5, seed=0, ignore_eos=True)
+    first, second = {}, {}
+    outs = server.run([("a", [5, 6, 7], params), ("b", [8, 9], params)], exclusive=True,
+                      stats=first)
+    assert sorted(o.id for o in outs) == ["a", "b"] and all(o.num_output_tokens == 5
+                                                           for o in outs)
+    assert first["steps"] == 5  # both prompts in one prefill step, then 4 decode steps
+    assert 0 <= first["device_wait_s"] <= first["busy_s"] <= first["run_s"]
+    assert first["queued_s"] >= 0
+    server.run([("c", [5, 6], params.replace(max_tokens=2))], exclusive=True, stats=second)
+    assert second["steps"] == 2  # the call's own steps only
 
 
 def test_token_sampled_after_a_stop_is_dropped(tiny_llama):
@@ -112,8 +134,13 @@ def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
 
 
 def test_generation_actor(tiny_llama):
-    actor = GenerationActor(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64,
-                                         "max_model_len": 128})
+    gc.unfreeze()
+    try:
+        actor = GenerationActor(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64,
+                                             "max_model_len": 128})
+        assert gc.get_freeze_count() > 0  # the startup objects are out of the collector's way
+    finally:
+        gc.unfreeze()
     info = actor.info()
     assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
     startup = actor.startup_report()

@@ -10,7 +10,7 @@ import pytest
 
 from actors.schema import output_schema
 from actors.serving import EngineServer
-from actors.shard import process_shard, read_rows, write_failed_shard
+from actors.shard import ShardResult, process_shard, read_rows, write_failed_shard
 from jobs.config import JobConfig
 from jobs.inputs import discover
 from jobs.plan import make_task, plan_shards
@@ -158,3 +158,16 @@ def test_jsonl_rows_whose_params_disagree_on_types_fail_one_by_one(tmp_path):
     assert [e for i, e in enumerate(errors) if i != 2] == [None] * 5
     assert part.column("seed").to_pylist()[3] == 3
     assert part.column("num_output_tokens").to_pylist()[:2] == [2, 16]
+
+
+def test_shard_timing_line():
+    result = ShardResult(shard_id=3, attempt=1, part="part-00003.parquet", rows=8,
+                         output_rows=8, errors=0, output_tokens=64, prompt_tokens=32,
+                         seconds=4.2, phases={"prepare": 0.08, "generate": 3.67, "write": 0.44},
+                         engine={"queued_s": 1.8, "run_s": 1.85, "steps": 130, "busy_s": 1.84,
+                                 "device_wait_s": 1.05})
+    assert result.timing() == ("prepare 0.08 s, generate 3.67 s (queued 1.80 s; 130 steps in "
+                               "1.85 s: 14.2 ms a step, host 6.1, waiting for the device 8.1), "
+                               "write 0.44 s")
+    result.engine = {}  # an engine without counters: the phases alone
+    assert result.timing() == "prepare 0.08 s, generate 3.67 s, write 0.44 s"
