@@ -141,8 +141,9 @@ def _triton_variant(name: str) -> None:
     """``triton@BLOCKxWARPS[xCAP][n][f][s][pSPLIT][vVEC]`` selects a launch config of the fused
     kernel (a tuning sweep): n = per-lane bin counts instead of tl.histogram, f = no skipping
     of empty tiles in the sampling pass, s = the exact selection passes always (no
-    draw-then-verify), pSPLIT = pass 1 as a separate kernel over vocab
-    chunks of SPLIT tokens, vVEC = tokens per thread and tile row."""
+    draw-then-verify), c = the chunked pipeline for batches of greedy / top-k rows
+    (``sampler.kernels.chunked``), pSPLIT = pass 1 as a separate kernel over vocab chunks of
+    SPLIT tokens, vVEC = tokens per thread and tile row."""
     import re
 
     if name.startswith("triton"):
@@ -150,11 +151,11 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfs]*)(?:p(\d+))?(?:v(\d+))?", spec)
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfsc]*)(?:p(\d+))?(?:v(\d+))?", spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
-                      skip="f" not in m[4], fast="s" not in m[4])
+                      skip="f" not in m[4], fast="s" not in m[4], chunked="c" in m[4])
             if m[3]:
                 kw["cap"] = int(m[3])
             if m[5]:

@@ -21,7 +21,9 @@ Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes most
    counting pass), the top-k list from the raw candidates.
 
 Processed logprobs modes and whole-vocab (-1) logprobs are not computed here (the launcher
-uses the torch path for such batches).
+uses the torch path for such batches). With ``HAS_DONE`` a row whose flag is set (settled by
+the chunked pipeline, :mod:`sampler.kernels.chunked`) is skipped, and pass 1 comes from that
+pipeline's chunk statistics (``SPLIT``).
 """
 
 from __future__ import annotations
@@ -354,17 +356,20 @@ def _fused_sampler_kernel(
     ban_ptr, NBAN,
     allowed_ptr,
     cand_ptr, counter_ptr, part_ptr, part_i_ptr, NCHUNK,
-    tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr,
+    tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, HAS_DONE: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
+    if HAS_DONE:  # rows the chunked pipeline settled (sampler.kernels.chunked) are left alone
+        if tl.load(done_ptr + row) != 0:
+            return
     slot = tl.load(idx_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     T = tl.load(fparams_ptr + slot * stride_f + 0)
@@ -718,14 +723,17 @@ def _stats_kernel(
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
     stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
-    part_ptr, part_i_ptr, NCHUNK, CHUNK,
+    part_ptr, part_i_ptr, NCHUNK, CHUNK, lanes_ptr, KM,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
-    ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
 ):
     """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
     batches still spread the first read of the logits over the whole GPU. Writes per-chunk
-    partials: greedy (value, index), max of x / T, and (max, sum) of the two log-sum-exps."""
+    partials: greedy (value, index), max of x / T, and (max, sum) of the two log-sum-exps.
+    LANES: also the chunk's ``KM`` largest per-lane maxima of x / T and of the raw values,
+    descending (``lanes_ptr``: ``[rows, chunks, 2, KM]``), for the chunked pipeline's top-k
+    bounds (:mod:`sampler.kernels.chunked`)."""
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -763,3 +771,8 @@ def _stats_kernel(
     tl.store(out + 4, mt)
     tl.store(out + 5, lt)
     tl.store(part_i_ptr + row * NCHUNK + c, tl.where(bv > float("-inf"), bi, lo))
+    if LANES:
+        jj = tl.arange(0, R)
+        lanes = lanes_ptr + (row * NCHUNK + c).to(tl.int64) * (2 * KM)
+        tl.store(lanes + jj, tl.sort(acc_ms, 0, descending=True), mask=jj < KM)
+        tl.store(lanes + KM + jj, tl.sort(acc_mr, 0, descending=True), mask=jj < KM)

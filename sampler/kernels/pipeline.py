@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from sampler.kernels.chunked import (REC_WIDTH, _chunk_bounds_kernel, _chunk_finish_kernel,
+                                     _chunk_gather_kernel, _chunk_rank_kernel)
 from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
@@ -41,6 +43,14 @@ class LaunchConfig:
     skip: bool = True  # the full sampling pass skips tiles with nothing kept
     split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
     fast: bool = True  # top-k alone / top-p alone: draw over the min-p survivors, then verify
+    # the chunked pipeline (sampler.kernels.chunked) for batches whose rows are greedy or have
+    # a top-k: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes` lane maxima kept
+    # per chunk for the top-k bounds
+    chunked: bool = False
+    chunk: int = 16384
+    chunk_block: int = 1024
+    chunk_warps: int = 4
+    lanes: int = 64
 
 
 _config_override: LaunchConfig | None = None
@@ -203,31 +213,96 @@ def run_pipeline_triton(
     nchunk = 1
     part = torch.empty(1, dtype=torch.float32, device=dev)
     part_i = torch.empty(1, dtype=torch.int32, device=dev)
-    if cfg.split > 0:
+    done = part_i
+    chunked = cfg.chunked and (not plan.any_random or plan.all_top_k)
+    if chunked:
+        nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
+                                   state, logits, idx_mapping, tok, lp, rank, topk_ids,
+                                   topk_vals, thr)
+        part, part_i, done = ran.part, ran.part_i, ran.flags
+        if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
+            return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
+    elif cfg.split > 0:
         chunk = max(cfg.block, cfg.split // cfg.block * cfg.block)
         nchunk = triton.cdiv(vocab, chunk)
         part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
         part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
-        _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, **flags,
-                                      BLOCK=cfg.block, VEC=cfg.vec, num_warps=cfg.num_warps,
-                                      enable_fp_fusion=False)
+        _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, part, 1,
+                                      **flags, BLOCK=cfg.block, VEC=cfg.vec, LANES=False,
+                                      num_warps=cfg.num_warps, enable_fp_fusion=False)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
         state.iparams.stride(0), state.positions,
         *tables, cand, counters, part, part_i, nchunk, tok, lp, rank, topk_ids, topk_vals,
-        kout, thr, **flags,
+        kout, thr, done, **flags,
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
-        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=cfg.split > 0,
+        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or cfg.split > 0,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
-        num_warps=cfg.num_warps,
+        HAS_DONE=chunked, num_warps=cfg.num_warps,
         # no fused multiply-adds: bin edges computed per element and per row round alike
         # (as under the interpreter), so a token on an edge never falls between two bins
         enable_fp_fusion=False,
     )
     if scratch is not None:
         scratch.update(cand=cand, counters=counters, cap=cfg.cap)
+    return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
+
+
+def _output(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals) -> SamplerOutput:
     if not plan.any_logprobs:
         return SamplerOutput(token_ids=tok)
     return SamplerOutput(tok, lp, rank, topk_ids if k else None, topk_vals if k else None)
+
+
+@dataclass(slots=True)
+class _Chunked:
+    part: torch.Tensor
+    part_i: torch.Tensor
+    flags: torch.Tensor
+
+
+def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int, kout: int,
+                 rows: int, vocab: int, dev, state, logits, idx_mapping, tok, lp, rank,
+                 topk_ids, topk_vals, thr) -> tuple[int, _Chunked]:
+    """Steps 1-5 of :mod:`sampler.kernels.chunked`; returns the chunk count and the chunk
+    partials (the fused kernel's pass 1 for the rows left to it) with the per-row flags."""
+    chunk = max(cfg.chunk_block, cfg.chunk // cfg.chunk_block * cfg.chunk_block)
+    nchunk = triton.cdiv(vocab, chunk)
+    km = min(cfg.lanes, cfg.chunk_block // cfg.vec)
+    part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
+    part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
+    lanes = torch.empty(rows, nchunk, 2, km, dtype=torch.float32, device=dev)
+    rec = torch.empty(rows, REC_WIDTH, dtype=torch.float32, device=dev)
+    best = torch.empty(rows, dtype=torch.int32, device=dev)
+    cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
+    counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
+    done = torch.empty(rows, dtype=torch.int32, device=dev)
+    vtok = torch.empty(rows, dtype=torch.float32, device=dev)
+    small = dict(num_warps=cfg.chunk_warps, enable_fp_fusion=False)
+    _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, lanes, km,
+                                  **flags, BLOCK=cfg.chunk_block, VEC=cfg.vec, LANES=True,
+                                  **small)
+    params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
+              state.iparams.stride(0))
+    _chunk_bounds_kernel[(rows,)](part, part_i, lanes, nchunk, km, rec, best, *params, vocab,
+                                  NCP2=triton.next_power_of_2(nchunk),
+                                  NL=triton.next_power_of_2(nchunk * km), **small)
+    any_rk = k > 0
+    if plan.any_random or any_rk:
+        _chunk_gather_kernel[(rows, nchunk)](
+            *head, *tables, rec, cand, counters, chunk,
+            **{f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN",
+                                     "HAS_ALLOWED", "ANY_RANDOM")},
+            ANY_RK=any_rk, BLOCK=cfg.chunk_block, VEC=cfg.vec, CAP=cfg.cap, **small)
+    _chunk_finish_kernel[(rows,)](
+        logits, logits.stride(0), vocab, *params, state.positions, rec, best, cand, counters,
+        tok, lp, rank, topk_ids, topk_vals, kout, thr, done, vtok,
+        ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random, ANY_RK=any_rk, CAP=cfg.cap,
+        **small)
+    # a greedy row of unprocessed logits samples the raw maximum: rank 1, no count
+    if plan.any_logprobs and (plan.any_random or plan.mutates):
+        _chunk_rank_kernel[(rows, nchunk)](logits, logits.stride(0), vocab, *params, rec, done,
+                                           vtok, rank, chunk, BLOCK=cfg.chunk_block, **small)
+    return nchunk, _Chunked(part, part_i, done)

@@ -363,3 +363,138 @@ def test_kernel_variants_agree(hist, skip, split):
         assert_same(ref, out)
     finally:
         set_launch_config(None)
+
+
+def _chunked_config(**over):
+    from sampler.kernels.pipeline import LaunchConfig, launch_config
+
+    base = launch_config(1000)
+    fields = dict(block=base.block, num_warps=base.num_warps, cap=base.cap, chunked=True,
+                  chunk=256, chunk_block=64, chunk_warps=4, lanes=8)
+    return LaunchConfig(**{**fields, **over})
+
+
+def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False):
+    """Rows that are greedy or have a top-k (what the chunked pipeline takes), with the
+    masks, penalties and logprobs modes around them."""
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[2], backend="torch")
+    slots = rng.permutation(16)[:rows]
+    for slot in slots:
+        greedy = greedy_only or rng.random() < 0.3
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(rng.uniform(0.5, 1.5)),
+            top_k=int(rng.choice([1, 5, 20, 50, 300])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
+            logprobs=int(rng.choice([0, 3, 20])), logprobs_mode=str(rng.choice(MODES)),
+            seed=int(rng.integers(0, 2**62)), repetition_penalty=float(rng.choice([1.0, 1.3])),
+            frequency_penalty=float(rng.choice([0.0, 0.5])), min_tokens=int(rng.choice([0, 5])),
+            logit_bias={int(rng.integers(vocab)): 3.0} if rng.random() < 0.3 else None,
+            max_tokens=50)
+        sampler.add_request(int(slot), params, rng.integers(0, vocab, size=10).tolist(),
+                            seed=params.seed,
+                            output_token_ids=rng.integers(0, vocab, size=4).tolist(),
+                            bad_words_token_ids=[[5], [6, 7]] if rng.random() < 0.3 else [])
+    return sampler, slots
+
+
+def _run_chunked(sampler, slots, logits, config):
+    """(torch output, fused kernel output, chunked output, chunked row flags, thresholds of
+    both kernels)."""
+    import sampler.kernels.pipeline as launcher
+    from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
+
+    state = sampler.state
+    state.flush()
+    plan = make_plan(state, slots)
+    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
+    thr_fused = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
+    fused = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thr_fused)
+    flags = []
+    real = launcher._run_chunked
+
+    def recording(*args, **kwargs):
+        nchunk, ran = real(*args, **kwargs)
+        flags.append(ran.flags.clone())
+        return nchunk, ran
+
+    thr_chunked = torch.empty_like(thr_fused)
+    set_launch_config(config)
+    launcher._run_chunked = recording
+    try:
+        out = run_pipeline_triton(logits, idx, state, plan, inplace=False,
+                                  thresholds=thr_chunked)
+    finally:
+        launcher._run_chunked = real
+        set_launch_config(None)
+    return ref, fused, out, (flags[0].tolist() if flags else None), thr_fused, thr_chunked
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_pipeline_matches_fused_kernel_and_torch(seed):
+    """Greedy and top-k rows (with top-p, min-p, penalties, bias, bad words, min_tokens and
+    every raw logprobs mode) on the chunked pipeline: the torch pipeline's results and the
+    fused kernel's tokens and kept-set thresholds, whether a row was settled by the chunks
+    (flag 1), needed the rank count (2) or was left to the fused kernel (0)."""
+    rows, vocab = 7, 1000
+    sampler, slots = _top_k_batch(seed, rows, vocab)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    if seed % 3 == 1:
+        logits = logits.to(torch.bfloat16)
+    if seed % 3 == 2:  # ties everywhere
+        logits = torch.round(logits * 2) / 2
+    ref, fused, out, flags, thr_fused, thr_chunked = _run_chunked(
+        sampler, slots, logits.to(DEVICE), _chunked_config())
+    assert flags is not None, "the chunked pipeline did not run"
+    assert set(flags) <= {0, 1, 2} and 1 in flags
+    assert_same(ref, out)
+    assert torch.equal(out.token_ids, fused.token_ids)
+    assert torch.equal(thr_chunked, thr_fused)
+
+
+def test_chunked_pipeline_paths():
+    """Greedy-only batches settle every row in the chunks; a candidate list too short for the
+    top-k leaves the rows to the fused kernel; a batch with a row without top-k skips the
+    chunked pipeline."""
+    rows, vocab = 5, 700
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    sampler, slots = _top_k_batch(11, rows, vocab, greedy_only=True)
+    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
+    assert set(flags) <= {1, 2}
+    assert_same(ref, out)
+
+    # greedy, sampled-token logprob only (no lists): the fused kernel is not launched; the
+    # biased rows sample below the raw maximum, their ranks come from the count
+    sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[2], backend="torch")
+    slots = np.array([3, 9, 0, 12, 5])
+    for j, slot in enumerate(slots):
+        params = SamplingParams(temperature=0.0, logprobs=0, seed=j,
+                                logit_bias={3 + j: 100.0} if j % 2 else None)
+        sampler.add_request(int(slot), params, list(range(0, 600, 7)), seed=j)
+    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
+    assert set(flags) <= {1, 2} and 2 in flags
+    assert_same(ref, out)
+    for slot in slots:  # unprocessed: the raw maximum, rank 1 without a count
+        sampler.remove_request(int(slot))
+        sampler.add_request(int(slot), SamplingParams(temperature=0.0, logprobs=0), [1],
+                            seed=0)
+    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
+    assert set(flags) == {1} and out.ranks.tolist() == [1] * len(slots)
+    assert_same(ref, out)
+
+    sampler, slots = _top_k_batch(12, rows, vocab)
+    ref, fused, out, flags, _, _ = _run_chunked(sampler, slots, logits * 3,
+                                                _chunked_config(cap=32, lanes=2))
+    assert 0 in flags  # top-k 20 / 50 / 300 above 6 lane maxima: every survivor, > 32
+    assert_same(ref, out)
+    assert torch.equal(out.token_ids, fused.token_ids)
+
+    sampler, slots = _top_k_batch(13, rows, vocab)
+    sampler.add_request(int(np.setdiff1d(np.arange(16), slots)[0]),
+                        SamplingParams(temperature=1.0, seed=5, max_tokens=5), [1, 2], seed=5)
+    slots = np.append(slots, np.setdiff1d(np.arange(16), slots)[0])
+    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, torch.cat([logits, logits[:1]]),
+                                            _chunked_config())
+    assert flags is None  # a random row without top-k: the fused kernel alone
+    assert_same(ref, out)

@@ -1,0 +1,287 @@
+"""The chunked sampling pipeline: several programs per row, each over a vocab chunk.
+
+The fused kernel (:mod:`sampler.kernels.fused`) runs one program per row, so a pass over a
+row is as fast as one SM streams it. Here the passes that read the whole row run on a grid of
+rows x vocab chunks, and the per-row work in between runs on small per-row programs:
+
+1. statistics, per chunk (``_stats_kernel`` with ``LANES``): greedy (value, index), max of
+   x / T, the (max, sum) pairs of the raw and temperature log-sum-exps, and the chunk's ``KM``
+   largest per-lane maxima of x / T and of the raw values;
+2. bounds, per row: the chunks combined (max, greedy token, log-sum-exps); the top-k bound
+   ``t_k``, the k-th largest of the stored lane maxima (k distinct tokens are ``>= t_k``, so
+   the k-th largest value is too), and the same bound ``t_r`` for the top-k logprobs;
+3. gather, per chunk: the survivors ``>= max(t_k, min-p threshold)`` and the raw values
+   ``>= t_r`` appended to per-row candidate lists (atomics);
+4. finish, per row: the candidate lists sorted exactly, top-k, top-p within it, the
+   Gumbel-max draw over the kept candidates, the sampled token's logprob, its rank when the
+   raw list holds every larger value, the top-k logprobs;
+5. rank, per chunk: the tokens above the sampled one counted, for the rows whose rank the
+   list could not give.
+
+The arithmetic of each value is the fused kernel's (the same tile functions, keys, noise
+and top-p prefix sum), so a row gets the fused kernel's token; the log-sum-exps are summed in
+chunk order, so logprobs may differ from the fused kernel's in the last bits. Rows this path
+does not settle (no top-k, more candidates than the list holds) are flagged, and the fused
+kernel, launched after it with those flags, runs them alone.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sampler.kernels.fused import _append, _best, _kth_largest, _lse, _mode_value, _read_cands, _tile
+from sampler.kernels.noise import LANE0, LANE1, _gumbel, _row_key
+from sampler.kernels.select import _key_id, _key_value, _order_key
+
+# per-row record written by the bounds kernel (float32 fields)
+REC_M_S, REC_M_R, REC_LSE_R, REC_LSE_T, REC_THR, REC_T_K, REC_T_R = range(7)
+REC_WIDTH = 8
+
+
+@triton.jit
+def _row_flags(iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V):
+    """(greedy, k_on, top_k, lp_on, rk_on, nlp, mode) of a row."""
+    top_k = tl.load(iparams_ptr + slot * stride_i + 2)
+    nlp = tl.load(iparams_ptr + slot * stride_i + 4)
+    mode = tl.load(iparams_ptr + slot * stride_i + 5)
+    greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
+    raw_family = (mode == 0) | (mode == 1) | (mode == 4)
+    lp_on = (nlp != -2) & raw_family & (nlp >= 0)
+    k_on = (top_k > 0) & (top_k < V)
+    return greedy, k_on, top_k, lp_on, lp_on & (nlp > 0), nlp, mode
+
+
+@triton.jit
+def _chunk_bounds_kernel(
+    part_ptr, part_i_ptr, lanes_ptr, NCHUNK, KM, rec_ptr, best_ptr,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, V,
+    NCP2: tl.constexpr, NL: tl.constexpr,
+):
+    """Step 2, one program per row."""
+    NEG = float("-inf")
+    row = tl.program_id(0)
+    slot = tl.load(idx_ptr + row)
+    log_min_p = tl.load(fparams_ptr + slot * stride_f + 2)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
+        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    jc = tl.arange(0, NCP2)
+    live = jc < NCHUNK
+    pf = part_ptr + (row * NCHUNK + jc) * 8
+    best_v, best_i = _best(tl.load(pf + 0, mask=live, other=NEG),
+                           tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0))
+    acc_ms = tl.load(pf + 1, mask=live, other=NEG)
+    acc_mr = tl.load(pf + 2, mask=live, other=NEG)
+    acc_lr = tl.load(pf + 3, mask=live, other=0.0)
+    acc_mt = tl.load(pf + 4, mask=live, other=NEG)
+    acc_lt = tl.load(pf + 5, mask=live, other=0.0)
+    m_s = tl.max(acc_ms, 0)
+    jl = tl.arange(0, NL)
+    lv = jl < NCHUNK * KM
+    lanes = lanes_ptr + row.to(tl.int64) * NCHUNK * 2 * KM + (jl // KM) * (2 * KM) + jl % KM
+    t_k = NEG
+    if (not greedy) & k_on:
+        t_k = _kth_largest(tl.load(lanes, mask=lv, other=NEG), top_k)
+    t_r = NEG
+    if rk_on:
+        t_r = _kth_largest(tl.load(lanes + KM, mask=lv, other=NEG), nlp)
+    rec = rec_ptr + row * 8
+    tl.store(rec + 0, m_s)
+    tl.store(rec + 1, tl.max(acc_mr, 0))
+    tl.store(rec + 2, _lse(acc_mr, acc_lr))
+    tl.store(rec + 3, _lse(acc_mt, acc_lt))
+    tl.store(rec + 4, m_s + log_min_p)
+    tl.store(rec + 5, t_k)
+    tl.store(rec + 6, t_r)
+    tl.store(best_ptr + row, best_i)
+
+
+@triton.jit
+def _chunk_gather_kernel(
+    logits_ptr, stride_row, V, W,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
+    pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    rec_ptr, cand_ptr, counter_ptr, CHUNK,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_RANDOM: tl.constexpr,
+    ANY_RK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr,
+):
+    """Step 3, grid rows x chunks."""
+    NEG = float("-inf")
+    R: tl.constexpr = BLOCK // VEC
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(idx_ptr + row)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
+        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    sel_on = (not greedy) & k_on
+    if not ANY_RANDOM:
+        sel_on = False
+    if not ANY_RK:
+        rk_on = False
+    if not (sel_on | rk_on):
+        return
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    pos = tl.load(positions_ptr + slot)
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    rec = rec_ptr + row * 8
+    floor = tl.maximum(tl.load(rec + 4), tl.load(rec + 5))
+    t_r = tl.load(rec + 6)
+    lse_r = tl.load(rec + 2)
+    lse_t = tl.load(rec + 3)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
+    ctr = counter_ptr + row * 2
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
+            pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+            pos < min_tokens, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        if ANY_RANDOM:
+            if sel_on:
+                s = tl.math.div_rn(x, T)
+                sel = (s >= floor) & (s > NEG)
+                _append(cand_p, ctr, sel, _order_key(s, offs), CAP)
+        if ANY_RK:
+            if rk_on:
+                sel_r = (raw >= t_r) & (raw > NEG)
+                mv = _mode_value(raw, mode, T, lse_r, lse_t)
+                _append(cand_p + CAP, ctr + 1, sel_r, _order_key(mv, offs), CAP)
+
+
+@triton.jit
+def _chunk_finish_kernel(
+    logits_ptr, stride_row, V,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
+    rec_ptr, best_ptr, cand_ptr, counter_ptr,
+    tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr, vtok_ptr,
+    ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_RK: tl.constexpr, CAP: tl.constexpr,
+):
+    """Step 4, one program per row. ``done``: 1 settled, 2 settled but for the rank (step 5
+    counts it), 0 left to the fused kernel."""
+    NEG = float("-inf")
+    row = tl.program_id(0)
+    slot = tl.load(idx_ptr + row)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
+        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    if not ANY_RK:
+        rk_on = False
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    top_p = tl.load(fparams_ptr + slot * stride_f + 1)
+    rec = rec_ptr + row * 8
+    m_s = tl.load(rec + 0)
+    m_r = tl.load(rec + 1)
+    lse_r = tl.load(rec + 2)
+    lse_t = tl.load(rec + 3)
+    thr = tl.load(rec + 4)
+    t_r = tl.load(rec + 6)
+    cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
+    cand_r = cand_p + CAP
+    n_p = tl.load(counter_ptr + row * 2)
+    n_r = tl.load(counter_ptr + row * 2 + 1)
+    settled = (not rk_on) | (n_r <= CAP)
+    ii = tl.arange(0, CAP)
+    tok = tl.load(best_ptr + row)
+    v_star = NEG
+    if ANY_RANDOM:
+        if not greedy:
+            settled = settled & k_on & (n_p <= CAP)
+            if settled:
+                keys = tl.sort(_read_cands(cand_p, n_p, CAP), 0, descending=True)
+                vals = _key_value(keys)
+                ids = _key_id(keys)
+                inlist = ii < n_p
+                # fewer than k survivors were gathered only when all of them were
+                v_k = tl.where(n_p >= top_k,
+                               tl.sum(tl.where(ii == top_k - 1, vals, 0.0), 0), NEG)
+                v_p = NEG
+                if top_p < 1.0:
+                    keep = inlist & (vals >= v_k)
+                    e = tl.where(keep, tl.exp(vals - m_s), 0.0)
+                    csum = tl.cumsum(e, 0)
+                    nk = tl.sum(keep.to(tl.int32), 0)
+                    limit = top_p * tl.sum(e, 0)
+                    cnt = (limit > 0).to(tl.int32) + tl.sum(
+                        ((ii < nk - 1) & (csum < limit)).to(tl.int32), 0)
+                    v_p = tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)
+                v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
+                seed = tl.load(iparams_ptr + slot * stride_i + 0)
+                sidx = tl.load(iparams_ptr + slot * stride_i + 1)
+                pos = tl.load(positions_ptr + slot)
+                k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+                k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+                kept = inlist & (vals >= v_star)
+                score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
+                best = tl.max(score, 0)
+                tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
+                tok = tl.where(best > NEG, tok, 0)
+    if not settled:
+        tl.store(done_ptr + row, 0)
+        return
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(thr_ptr + row, v_star)
+    done = 1
+    if ANY_LP:
+        v_tok = float("nan")
+        rank = 0
+        if lp_on:
+            raw_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tok).to(tl.float32)
+            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            rank = 1
+            if raw_tok < m_r:
+                if rk_on & (raw_tok >= t_r):  # the raw list holds every larger value
+                    keys = tl.load(cand_r + ii, mask=ii < n_r,
+                                   other=-9223372036854775807 - 1, cache_modifier=".cg")
+                    rank = 1 + tl.sum(((ii < n_r) & (_key_value(keys) > v_tok)).to(tl.int32), 0)
+                else:
+                    done = 2
+        tl.store(lp_ptr + row, v_tok)
+        tl.store(vtok_ptr + row, v_tok)
+        tl.store(rank_ptr + row, rank.to(tl.int64))
+        ids_out = tl.full([CAP], -1, tl.int64)
+        vals_out = tl.full([CAP], NEG, tl.float32)
+        if rk_on:
+            keys = tl.sort(_read_cands(cand_r, n_r, CAP), 0, descending=True)
+            have = (ii < n_r) & (ii < nlp)
+            ids_out = tl.where(have, _key_id(keys).to(tl.int64), -1)
+            vals_out = tl.where(have, _key_value(keys), NEG)
+        tl.store(topk_id_ptr + row * KOUT + ii, ids_out, mask=ii < KOUT)
+        tl.store(topk_val_ptr + row * KOUT + ii, vals_out, mask=ii < KOUT)
+    tl.store(done_ptr + row, done)
+
+
+@triton.jit
+def _chunk_rank_kernel(
+    logits_ptr, stride_row, V, idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i,
+    rec_ptr, done_ptr, vtok_ptr, rank_ptr, CHUNK, BLOCK: tl.constexpr,
+):
+    """Step 5, grid rows x chunks: adds the chunk's count of values above the sampled
+    token's to the rank of a row flagged 2."""
+    row = tl.program_id(0)
+    if tl.load(done_ptr + row) != 2:
+        return
+    c = tl.program_id(1)
+    slot = tl.load(idx_ptr + row)
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    mode = tl.load(iparams_ptr + slot * stride_i + 5)
+    lse_r = tl.load(rec_ptr + row * 8 + 2)
+    lse_t = tl.load(rec_ptr + row * 8 + 3)
+    v_tok = tl.load(vtok_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        raw = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        acc += (_mode_value(raw, mode, T, lse_r, lse_t) > v_tok).to(tl.int32)
+    tl.atomic_add(rank_ptr + row, tl.sum(acc, 0).to(tl.int64))
