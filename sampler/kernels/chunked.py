@@ -12,7 +12,8 @@ rows x vocab chunks, and the per-row work in between runs on small per-row progr
    the k-th largest value is too), and the same bound ``t_r`` for the top-k logprobs;
 3. gather, per chunk: the survivors ``>= max(t_k, min-p threshold)`` and the raw values
    ``>= t_r`` appended to per-row candidate lists (atomics);
-4. finish, per row: the candidate lists sorted exactly, top-k, top-p within it, the
+4. finish, per row (greedy rows and rows with a top-k; a random row without one is left to
+   the fused kernel): the candidate lists sorted exactly, top-k, top-p within it, the
    Gumbel-max draw over the kept candidates, the sampled token's logprob, its rank when the
    raw list holds every larger value, the top-k logprobs;
 5. rank, per chunk: the tokens above the sampled one counted, for the rows whose rank the
@@ -22,7 +23,8 @@ The arithmetic of each value is the fused kernel's (the same tile functions, key
 and top-p prefix sum), so a row gets the fused kernel's token; the log-sum-exps are summed in
 chunk order, so logprobs may differ from the fused kernel's in the last bits. Rows this path
 does not settle (no top-k, more candidates than the list holds) are flagged, and the fused
-kernel, launched after it with those flags, runs them alone.
+kernel, launched after it with those flags, runs them alone. Which path a row takes depends
+on the row alone (its parameters and logits), never on its batch-mates.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def _chunk_gather_kernel(
         sel_on = False
     if not ANY_RK:
         rk_on = False
+    rk_on = rk_on & (greedy | k_on)  # a random row without top-k is the fused kernel's
     if not (sel_on | rk_on):
         return
     T = tl.load(fparams_ptr + slot * stride_f + 0)

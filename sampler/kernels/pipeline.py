@@ -43,9 +43,9 @@ class LaunchConfig:
     skip: bool = True  # the full sampling pass skips tiles with nothing kept
     split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
     fast: bool = True  # top-k alone / top-p alone: draw over the min-p survivors, then verify
-    # the chunked pipeline (sampler.kernels.chunked) for batches whose rows are greedy or have
-    # a top-k: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes` lane maxima kept
-    # per chunk for the top-k bounds
+    # the chunked pipeline (sampler.kernels.chunked) first, for the greedy and top-k rows of
+    # every batch: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes` lane maxima
+    # kept per chunk for the top-k bounds
     chunked: bool = False
     chunk: int = 16384
     chunk_block: int = 1024
@@ -214,7 +214,7 @@ def run_pipeline_triton(
     part = torch.empty(1, dtype=torch.float32, device=dev)
     part_i = torch.empty(1, dtype=torch.int32, device=dev)
     done = part_i
-    chunked = cfg.chunked and (not plan.any_random or plan.all_top_k)
+    chunked = cfg.chunked
     if chunked:
         nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
                                    state, logits, idx_mapping, tok, lp, rank, topk_ids,

@@ -455,8 +455,8 @@ def test_chunked_pipeline_matches_fused_kernel_and_torch(seed):
 
 def test_chunked_pipeline_paths():
     """Greedy-only batches settle every row in the chunks; a candidate list too short for the
-    top-k leaves the rows to the fused kernel; a batch with a row without top-k skips the
-    chunked pipeline."""
+    top-k leaves the rows to the fused kernel, and so does a random row without top-k (its
+    batch-mates still settle in the chunks)."""
     rows, vocab = 5, 700
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     sampler, slots = _top_k_batch(11, rows, vocab, greedy_only=True)
@@ -496,5 +496,43 @@ def test_chunked_pipeline_paths():
     slots = np.append(slots, np.setdiff1d(np.arange(16), slots)[0])
     ref, _, out, flags, _, _ = _run_chunked(sampler, slots, torch.cat([logits, logits[:1]]),
                                             _chunked_config())
-    assert flags is None  # a random row without top-k: the fused kernel alone
+    assert flags[-1] == 0 and 1 in flags[:-1]  # the row without top-k: the fused kernel's
     assert_same(ref, out)
+
+
+def test_chunked_rows_do_not_depend_on_batch_mates():
+    """A row's path (chunks or fused kernel) and results are its own: each row of a mixed
+    batch (top-k rows, greedy rows, a random row without top-k) run alone gives the same
+    token, logprob, rank and top-k as in the batch."""
+    from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
+
+    rows, vocab = 5, 600
+    sampler, slots = _top_k_batch(21, rows, vocab)
+    free = int(np.setdiff1d(np.arange(16), slots)[0])
+    sampler.add_request(free, SamplingParams(temperature=0.9, top_p=0.8, logprobs=3, seed=9),
+                        [1, 2], seed=9)
+    slots = np.append(slots, free)
+    logits = torch.randn(rows + 1, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    state = sampler.state
+    state.flush()
+
+    def run(sel):
+        idx = torch.as_tensor(slots[sel], dtype=torch.int64, device=DEVICE)
+        return run_pipeline_triton(logits[sel].to(DEVICE), idx, state,
+                                   make_plan(state, slots[sel]), inplace=False)
+    set_launch_config(_chunked_config())
+    try:
+        together = run(np.arange(rows + 1))
+        for r in range(rows + 1):
+            alone = run(np.array([r]))
+            assert together.token_ids[r] == alone.token_ids[0], f"row {r}"
+            assert torch.equal(together.logprobs[r:r + 1], alone.logprobs)
+            assert together.ranks[r] == alone.ranks[0]
+            if alone.topk_ids is None:  # logprobs=0: padding in the batch
+                assert (together.topk_ids[r] == -1).all()
+            else:
+                k = alone.topk_ids.shape[1]
+                assert torch.equal(together.topk_ids[r, :k], alone.topk_ids[0])
+                assert torch.equal(together.topk_values[r, :k], alone.topk_values[0])
+    finally:
+        set_launch_config(None)
