@@ -37,6 +37,7 @@ class StepPlan:
             penalties (steps 2–6).
         do_temperature, do_min_p, do_top_k, do_top_p: steps 8–11 (random rows only).
         max_top_k: the largest active top-k (0 when none).
+        all_top_k: every random row has an active top-k (vacuously true with none).
         any_seeded: some random row's request set its own seed (its draw must be the
             counter-based one of the seed; the FlashInfer backend cannot give it).
         modes: the logprobs-mode codes of the rows that asked for logprobs.
@@ -55,6 +56,7 @@ class StepPlan:
     do_top_k: bool = False
     do_top_p: bool = False
     max_top_k: int = 0
+    all_top_k: bool = False
     any_seeded: bool = False
     modes: frozenset[int] = frozenset()
     max_num_logprobs: int = 0
@@ -108,6 +110,7 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
         do_top_k=bool(k_active.any()),
         do_top_p=bool((random & (f[:, TOP_P] < 1.0)).any()),
         max_top_k=int(k[k_active].max()) if k_active.any() else 0,
+        all_top_k=not bool((random & ~k_active).any()),
         any_seeded=bool((random & state.has_seed[sel]).any()),
         modes=frozenset(int(m) for m in np.unique(i[asked, MODE])),
         max_num_logprobs=int(widths.max()) if widths.size else 0,

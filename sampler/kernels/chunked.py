@@ -12,8 +12,12 @@ rows x vocab chunks, and the per-row work in between runs on small per-row progr
    the k-th largest value is too), and the same bound ``t_r`` for the top-k logprobs;
 3. gather, per chunk: the survivors ``>= max(t_k, min-p threshold)`` and the raw values
    ``>= t_r`` appended to per-row candidate lists (atomics);
-4. finish, per row (greedy rows and rows with a top-k; a random row without one is left to
-   the fused kernel): the candidate lists sorted exactly, top-k, top-p within it, the
+3b. for the random rows without top-k, draw first, then verify (the fused kernel's fast
+   path, over chunks): the Gumbel-max over the min-p survivors and their mass; then rounds
+   of one pass each that count the survivors above the current draw and their mass (top-p
+   keeps the draw iff there are none or their mass is < p of all) and draw the next one
+   among them; a row still undecided after the last round is left to the fused kernel;
+4. finish, per row: the candidate lists sorted exactly, top-k, top-p within it, the
    Gumbel-max draw over the kept candidates, the sampled token's logprob, its rank when the
    raw list holds every larger value, the top-k logprobs;
 5. rank, per chunk: the tokens above the sampled one counted, for the rows whose rank the
@@ -32,13 +36,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.fused import _append, _best, _kth_largest, _lse, _mode_value, _read_cands, _tile
+from sampler.kernels.fused import (GUMBEL_MAX, _append, _best, _kth_largest, _lse, _mode_value,
+                                   _read_cands, _tile)
 from sampler.kernels.noise import LANE0, LANE1, _gumbel, _row_key
 from sampler.kernels.select import _key_id, _key_value, _order_key
 
 # per-row record written by the bounds kernel (float32 fields)
 REC_M_S, REC_M_R, REC_LSE_R, REC_LSE_T, REC_THR, REC_T_K, REC_T_R = range(7)
 REC_WIDTH = 8
+# draw-then-verify state of a row (random, no top-k)
+DRAW_ACTIVE: tl.constexpr = tl.constexpr(1)
+DRAW_SETTLED: tl.constexpr = tl.constexpr(2)
+DRAW_FAILED: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
@@ -122,7 +131,6 @@ def _chunk_gather_kernel(
         sel_on = False
     if not ANY_RK:
         rk_on = False
-    rk_on = rk_on & (greedy | k_on)  # a random row without top-k is the fused kernel's
     if not (sel_on | rk_on):
         return
     T = tl.load(fparams_ptr + slot * stride_f + 0)
@@ -165,9 +173,10 @@ def _chunk_gather_kernel(
 def _chunk_finish_kernel(
     logits_ptr, stride_row, V,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
-    rec_ptr, best_ptr, cand_ptr, counter_ptr,
+    rec_ptr, best_ptr, cand_ptr, counter_ptr, draw_ptr, draw_i_ptr,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr, vtok_ptr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_RK: tl.constexpr, CAP: tl.constexpr,
+    DRAW: tl.constexpr,
 ):
     """Step 4, one program per row. ``done``: 1 settled, 2 settled but for the rank (step 5
     counts it), 0 left to the fused kernel."""
@@ -196,8 +205,15 @@ def _chunk_finish_kernel(
     tok = tl.load(best_ptr + row)
     v_star = NEG
     if ANY_RANDOM:
-        if not greedy:
-            settled = settled & k_on & (n_p <= CAP)
+        if (not greedy) & (not k_on):
+            if DRAW:  # the draw-then-verify rounds' token, when they settled it
+                settled = settled & (tl.load(draw_i_ptr + row * 2 + 1) == DRAW_SETTLED)
+                tok = tl.load(draw_i_ptr + row * 2)
+                v_star = thr
+            else:
+                settled = False
+        if (not greedy) & k_on:
+            settled = settled & (n_p <= CAP)
             if settled:
                 keys = tl.sort(_read_cands(cand_p, n_p, CAP), 0, descending=True)
                 vals = _key_value(keys)
@@ -288,3 +304,147 @@ def _chunk_rank_kernel(
         raw = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         acc += (_mode_value(raw, mode, T, lse_r, lse_t) > v_tok).to(tl.int32)
     tl.atomic_add(rank_ptr + row, tl.sum(acc, 0).to(tl.int64))
+
+
+
+@triton.jit
+def _chunk_draw_kernel(
+    logits_ptr, stride_row, V, W,
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
+    pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    rec_ptr, draw_ptr, draw_i_ptr, dpart_ptr, dpart_i_ptr, NCHUNK, CHUNK,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, FIRST: tl.constexpr,
+    BLOCK: tl.constexpr, VEC: tl.constexpr,
+):
+    """One draw-then-verify pass over a chunk (grid rows x chunks) for the random rows
+    without top-k, the fused kernel's ``_draw_then_verify`` spread over chunks. FIRST: the
+    Gumbel-max over the survivors (processed / T >= the min-p threshold) and the survivors'
+    mass; after: the mass and count of the survivors strictly above the current draw ``x``
+    (does top-p keep it?) and the Gumbel-max over them (the next draw if not). Per-chunk
+    partials: (best score, its value, count above, mass) and the best token."""
+    NEG = float("-inf")
+    R: tl.constexpr = BLOCK // VEC
+    row = tl.program_id(0)
+    if tl.load(draw_i_ptr + row * 2 + 1) != DRAW_ACTIVE:
+        return
+    c = tl.program_id(1)
+    slot = tl.load(idx_ptr + row)
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    seed = tl.load(iparams_ptr + slot * stride_i + 0)
+    sidx = tl.load(iparams_ptr + slot * stride_i + 1)
+    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    pos = tl.load(positions_ptr + slot)
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+    m_s = tl.load(rec_ptr + row * 8 + 0)
+    thr = tl.load(rec_ptr + row * 8 + 4)
+    s_x = NEG
+    if not FIRST:
+        s_x = tl.load(draw_ptr + row * 2)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    lane = tl.arange(0, R)
+    col = tl.arange(0, VEC)[None, :]
+    acc_sv = tl.full([R], NEG, tl.float32)
+    acc_si = tl.zeros([R], dtype=tl.int32)
+    acc_ss = tl.full([R], NEG, tl.float32)
+    acc_c = tl.zeros([R], dtype=tl.int32)
+    acc_m = tl.zeros([R], dtype=tl.float32)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs, vmask, raw, x = _tile(
+            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
+            pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+            pos < min_tokens, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        s = tl.math.div_rn(x, T)
+        valid = (s >= thr) & (s > NEG)
+        kept = valid & (s > s_x)  # FIRST: every survivor
+        sk = tl.where(kept, s, NEG)
+        # a tile whose largest value cannot beat the chunk's best score with the largest
+        # noise has nothing to draw
+        if tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
+            score = tl.where(kept, sk + _gumbel(offs, k0, k1), NEG)
+            am = tl.argmax(score, 1)
+            tv = tl.max(score, 1)
+            ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
+            upd = tv > acc_sv
+            acc_sv = tl.where(upd, tv, acc_sv)
+            acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
+            acc_ss = tl.where(upd, ts, acc_ss)
+        acc_c += tl.sum(kept.to(tl.int32), 1)
+        acc_m += tl.sum(tl.where(kept, tl.exp(s - m_s), 0.0), 1)
+    best = tl.max(acc_sv, 0)
+    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
+    s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
+    out = dpart_ptr + (row * NCHUNK + c) * 4
+    tl.store(out + 0, best)
+    tl.store(out + 1, tl.where(best > NEG, s_tok, NEG))
+    tl.store(out + 2, tl.sum(acc_c, 0).to(tl.float32))
+    tl.store(out + 3, tl.sum(acc_m, 0))
+    tl.store(dpart_i_ptr + row * NCHUNK + c, tok)
+
+
+@triton.jit
+def _chunk_draw_combine_kernel(
+    idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, V,
+    draw_ptr, draw_i_ptr, dpart_ptr, dpart_i_ptr, NCHUNK,
+    FIRST: tl.constexpr, LAST: tl.constexpr, NCP2: tl.constexpr,
+):
+    """Per row after a draw pass: FIRST starts the rows (state ``DRAW_ACTIVE`` set by the
+    launcher for every row; rows that are not random without top-k leave), keeps the draw
+    and the survivors' mass; later passes settle the current draw when top-p keeps it (no
+    survivor above it, or their mass < p of all), else move to the next draw; LAST fails the
+    rows still undecided (the fused kernel takes them)."""
+    NEG = float("-inf")
+    row = tl.program_id(0)
+    state = draw_i_ptr + row * 2 + 1
+    if tl.load(state) != DRAW_ACTIVE:
+        return
+    slot = tl.load(idx_ptr + row)
+    top_p = tl.load(fparams_ptr + slot * stride_f + 1)
+    jc = tl.arange(0, NCP2)
+    live = jc < NCHUNK
+    pf = dpart_ptr + (row * NCHUNK + jc) * 4
+    scores = tl.load(pf + 0, mask=live, other=NEG)
+    toks = tl.load(dpart_i_ptr + row * NCHUNK + jc, mask=live, other=2147483647)
+    best = tl.max(scores, 0)
+    tok = tl.min(tl.where(scores == best, toks, 2147483647), 0)
+    s_tok = tl.max(tl.where((scores == best) & (toks == tok),
+                            tl.load(pf + 1, mask=live, other=NEG), NEG), 0)
+    count = tl.sum(tl.load(pf + 2, mask=live, other=0.0), 0)
+    mass = tl.sum(tl.load(pf + 3, mask=live, other=0.0), 0)
+    new_state = DRAW_ACTIVE
+    if FIRST:
+        greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
+        top_k = tl.load(iparams_ptr + slot * stride_i + 2)
+        if greedy | ((top_k > 0) & (top_k < V)):
+            new_state = 0  # not this path's row
+        elif best == NEG:
+            new_state = DRAW_FAILED
+        else:
+            tl.store(draw_ptr + row * 2 + 1, mass)  # the survivors' mass Z
+            tl.store(draw_i_ptr + row * 2, tok)
+            tl.store(draw_ptr + row * 2, s_tok)
+            if top_p >= 1.0:
+                new_state = DRAW_SETTLED
+    else:
+        z = tl.load(draw_ptr + row * 2 + 1)
+        if (count == 0) | (mass < top_p * z):  # top-p keeps the current draw
+            new_state = DRAW_SETTLED
+        elif best == NEG:
+            new_state = DRAW_FAILED
+        else:  # the kept set lies strictly above the rejected draw: the next draw
+            tl.store(draw_i_ptr + row * 2, tok)
+            tl.store(draw_ptr + row * 2, s_tok)
+    if LAST:
+        if new_state == DRAW_ACTIVE:
+            new_state = DRAW_FAILED
+    tl.store(state, new_state)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from sampler.kernels.chunked import (REC_WIDTH, _chunk_bounds_kernel, _chunk_finish_kernel,
-                                     _chunk_gather_kernel, _chunk_rank_kernel)
+from sampler.kernels.chunked import (DRAW_ACTIVE, REC_WIDTH, _chunk_bounds_kernel,
+                                     _chunk_draw_combine_kernel, _chunk_draw_kernel,
+                                     _chunk_finish_kernel, _chunk_gather_kernel,
+                                     _chunk_rank_kernel)
 from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
@@ -51,6 +53,7 @@ class LaunchConfig:
     chunk_block: int = 1024
     chunk_warps: int = 4
     lanes: int = 64
+    draw_rounds: int = 4  # chunked draw-then-verify: verification rounds after the first draw
 
 
 _config_override: LaunchConfig | None = None
@@ -218,7 +221,7 @@ def run_pipeline_triton(
     if chunked:
         nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
                                    state, logits, idx_mapping, tok, lp, rank, topk_ids,
-                                   topk_vals, thr)
+                                   topk_vals, thr, draw=cfg.fast and thresholds is None)
         part, part_i, done = ran.part, ran.part_i, ran.flags
         if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
             return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
@@ -265,9 +268,11 @@ class _Chunked:
 
 def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int, kout: int,
                  rows: int, vocab: int, dev, state, logits, idx_mapping, tok, lp, rank,
-                 topk_ids, topk_vals, thr) -> tuple[int, _Chunked]:
+                 topk_ids, topk_vals, thr, *, draw: bool) -> tuple[int, _Chunked]:
     """Steps 1-5 of :mod:`sampler.kernels.chunked`; returns the chunk count and the chunk
-    partials (the fused kernel's pass 1 for the rows left to it) with the per-row flags."""
+    partials (the fused kernel's pass 1 for the rows left to it) with the per-row flags.
+    ``draw``: run the draw-then-verify rounds for random rows without top-k (else they are
+    left to the fused kernel)."""
     chunk = max(cfg.chunk_block, cfg.chunk // cfg.chunk_block * cfg.chunk_block)
     nchunk = triton.cdiv(vocab, chunk)
     km = min(cfg.lanes, cfg.chunk_block // cfg.vec)
@@ -296,11 +301,28 @@ def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int,
             **{f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN",
                                      "HAS_ALLOWED", "ANY_RANDOM")},
             ANY_RK=any_rk, BLOCK=cfg.chunk_block, VEC=cfg.vec, CAP=cfg.cap, **small)
+    draw = draw and plan.any_random and not plan.all_top_k
+    draw_f = torch.empty(rows, 2, dtype=torch.float32, device=dev)  # (value of x, mass Z)
+    draw_i = torch.full((rows, 2), DRAW_ACTIVE.value, dtype=torch.int32, device=dev)  # (x, state)
+    if draw:
+        dpart = torch.empty(rows, nchunk, 4, dtype=torch.float32, device=dev)
+        dpart_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
+        ncp2 = triton.next_power_of_2(nchunk)
+        masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN",
+                                       "HAS_ALLOWED")}
+        for r in range(cfg.draw_rounds + 1):
+            first, last = r == 0, r == cfg.draw_rounds
+            _chunk_draw_kernel[(rows, nchunk)](
+                *head, *tables, rec, draw_f, draw_i, dpart, dpart_i, nchunk, chunk, **masks,
+                FIRST=first, BLOCK=cfg.chunk_block, VEC=cfg.vec, **small)
+            _chunk_draw_combine_kernel[(rows,)](
+                *params, vocab, draw_f, draw_i, dpart, dpart_i, nchunk, FIRST=first,
+                LAST=last, NCP2=ncp2, **small)
     _chunk_finish_kernel[(rows,)](
         logits, logits.stride(0), vocab, *params, state.positions, rec, best, cand, counters,
-        tok, lp, rank, topk_ids, topk_vals, kout, thr, done, vtok,
+        draw_f, draw_i, tok, lp, rank, topk_ids, topk_vals, kout, thr, done, vtok,
         ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random, ANY_RK=any_rk, CAP=cfg.cap,
-        **small)
+        DRAW=draw, **small)
     # a greedy row of unprocessed logits samples the raw maximum: rank 1, no count
     if plan.any_logprobs and (plan.any_random or plan.mutates):
         _chunk_rank_kernel[(rows, nchunk)](logits, logits.stride(0), vocab, *params, rec, done,

@@ -374,9 +374,10 @@ def _chunked_config(**over):
     return LaunchConfig(**{**fields, **over})
 
 
-def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False):
-    """Rows that are greedy or have a top-k (what the chunked pipeline takes), with the
-    masks, penalties and logprobs modes around them."""
+def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False,
+                 top_k=(1, 5, 20, 50, 300)):
+    """Greedy rows and random rows with a top-k from ``top_k`` (0: none), with the masks,
+    penalties and logprobs modes around them."""
     rng = np.random.default_rng(seed)
     sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[2], backend="torch")
     slots = rng.permutation(16)[:rows]
@@ -384,7 +385,7 @@ def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False)
         greedy = greedy_only or rng.random() < 0.3
         params = SamplingParams(
             temperature=0.0 if greedy else float(rng.uniform(0.5, 1.5)),
-            top_k=int(rng.choice([1, 5, 20, 50, 300])),
+            top_k=int(rng.choice(top_k)),
             top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
             logprobs=int(rng.choice([0, 3, 20])), logprobs_mode=str(rng.choice(MODES)),
             seed=int(rng.integers(0, 2**62)), repetition_penalty=float(rng.choice([1.0, 1.3])),
@@ -398,9 +399,9 @@ def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False)
     return sampler, slots
 
 
-def _run_chunked(sampler, slots, logits, config):
+def _run_chunked(sampler, slots, logits, config, *, thresholds: bool = True):
     """(torch output, fused kernel output, chunked output, chunked row flags, thresholds of
-    both kernels)."""
+    both kernels). Asking for thresholds turns both kernels' draw-first paths off."""
     import sampler.kernels.pipeline as launcher
     from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
 
@@ -410,7 +411,8 @@ def _run_chunked(sampler, slots, logits, config):
     idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
     thr_fused = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
-    fused = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thr_fused)
+    fused = run_pipeline_triton(logits, idx, state, plan, inplace=False,
+                                thresholds=thr_fused if thresholds else None)
     flags = []
     real = launcher._run_chunked
 
@@ -424,7 +426,7 @@ def _run_chunked(sampler, slots, logits, config):
     launcher._run_chunked = recording
     try:
         out = run_pipeline_triton(logits, idx, state, plan, inplace=False,
-                                  thresholds=thr_chunked)
+                                  thresholds=thr_chunked if thresholds else None)
     finally:
         launcher._run_chunked = real
         set_launch_config(None)
@@ -536,3 +538,22 @@ def test_chunked_rows_do_not_depend_on_batch_mates():
                 assert torch.equal(together.topk_values[r, :k], alone.topk_values[0])
     finally:
         set_launch_config(None)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_draw_then_verify(seed):
+    """Random rows without top-k (top-p, min-p, plain) next to top-k and greedy rows: the
+    chunked draw-then-verify rounds settle them with the torch pipeline's and the fused
+    kernel's tokens."""
+    rows, vocab = 8, 1000
+    sampler, slots = _top_k_batch(40 + seed, rows, vocab, top_k=(0, 0, 0, 20))
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+    logits = (logits * (1 + seed)).to(torch.bfloat16 if seed == 1 else torch.float32)
+    ref, fused, out, flags, _, _ = _run_chunked(sampler, slots, logits.to(DEVICE),
+                                                _chunked_config(), thresholds=False)
+    state = sampler.state
+    no_top_k = [r for r, slot in enumerate(slots)
+                if not state.is_greedy[slot] and int(state.iparams_host[slot, 2]) == 0]
+    assert no_top_k and all(flags[r] in (1, 2) for r in no_top_k), (no_top_k, flags)
+    assert_same(ref, out)
+    assert torch.equal(out.token_ids, fused.token_ids)
