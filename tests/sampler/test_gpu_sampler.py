@@ -213,26 +213,30 @@ def test_flashinfer_logprobs_equal_torch_for_its_tokens():
 
 def test_chunked_pipeline_equals_fused_kernel():
     """The chunked pipeline at its GPU launch config (vocab chunks of 16,384) on batches of
-    greedy and top-k rows: the fused kernel's tokens and kept-set thresholds, the torch
-    pipeline's logprobs."""
+    greedy and top-k rows (the fused kernel's tokens and kept-set thresholds, the torch
+    pipeline's logprobs), then with rows without top-k on the draw-first paths (the fused
+    kernel's tokens)."""
     from sampler.kernels.pipeline import LaunchConfig, launch_config
     from tests.sampler.test_triton_kernels import _run_chunked, _top_k_batch
 
     config = LaunchConfig(**{**{f: getattr(launch_config(1), f)
                                 for f in LaunchConfig.__slots__}, "chunked": True})
     settled = total = 0
-    for b in range(20):
+    for b in range(30):
         rows, vocab = (16, 151936) if b % 2 else (13, 32000)
-        sampler, slots = _top_k_batch(500 + b, rows, vocab, greedy_only=b % 5 == 0)
+        draw = b >= 20  # rows without top-k too, the draw-first paths on (no thresholds)
+        sampler, slots = _top_k_batch(500 + b, rows, vocab, greedy_only=b % 5 == 0,
+                                      top_k=(0, 0, 20, 50) if draw else (1, 5, 20, 50, 300))
         logits = (torch.randn(rows, vocab, device=DEV) * (1 + b % 4)).to(
             torch.bfloat16 if b % 3 else torch.float32)
-        ref, fused, out, flags, thr_fused, thr_chunked = _run_chunked(sampler, slots, logits,
-                                                                      config)
+        ref, fused, out, flags, thr_fused, thr_chunked = _run_chunked(
+            sampler, slots, logits, config, thresholds=not draw)
         assert flags is not None
         settled += sum(f != 0 for f in flags)
         total += rows
         assert torch.equal(out.token_ids, fused.token_ids), f"batch {b}"
-        assert torch.equal(thr_chunked, thr_fused), f"batch {b}"
+        if not draw:
+            assert torch.equal(thr_chunked, thr_fused), f"batch {b}"
         assert torch.equal(out.ranks, ref.ranks)
         torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5,
                                    equal_nan=True)
