@@ -47,13 +47,15 @@ class GenerationActor:
         gc.freeze()
         age = _process_age_s()
         self.startup = {"process_age": age, "engine_import": imported - started,
-                        "engine_build": built - imported, "warm_up": warm}
+                        "engine_build": built - imported, "warm_up": warm,
+                        **{f"build_{k}": v for k, v in self.engine.startup.items()}}
         logger.info("GenerationActor ready (startup seconds %s): %s", self.startup, self.info())
 
     def startup_report(self) -> dict[str, float | None]:
         """Seconds the actor took to start: ``process_age`` (process start to ready, imports and
         Ray included), ``engine_import``, ``engine_build`` (model load, KV pool, graph capture),
-        ``warm_up`` (CUDA only)."""
+        ``warm_up`` (CUDA only), and the engine build's phases as ``build_<phase>``
+        (``Engine.startup``)."""
         return dict(self.startup)
 
     def generate(self, prompts: Sequence[Prompt], params: Any = None) -> list[GenerationOutput]:

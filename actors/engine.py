@@ -68,6 +68,7 @@ class Engine:
         self.config = EngineConfig.coerce(config)
         parts: EngineParts = build_engine_parts(str(model), self.config)
         self.model_name = str(model)
+        self.startup = parts.startup  # seconds of each build phase
         self.loaded = parts.loaded
         self.tokenizer = parts.loaded.tokenizer
         self.max_model_len = parts.max_model_len

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,11 +45,29 @@ class EngineParts:
     sampler: Sampler
     inputs: InputProcessor
     outputs: OutputProcessor
+    # seconds of each build phase: model_load, fused_layers, kv_cache (profiling step memory
+    # and allocating the pool), attention (probe + backend), cuda_graphs (capture), rest
+    startup: dict[str, float] = field(default_factory=dict)
+
+
+class _Phases:
+    """Seconds between successive ``mark(name)`` calls."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
 
 
 def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     """Loads ``model`` and builds everything an engine needs."""
+    phases = _Phases()
     loaded = load_model(model, config)
+    phases.mark("model_load")
     max_model_len = config.max_model_len or loaded.max_position_embeddings \
         or _DEFAULT_MAX_MODEL_LEN
     bs = config.block_size
@@ -61,6 +80,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
         from actors.fused_layers import install_fused_layers
 
         fused = install_fused_layers(loaded.model)
+        phases.mark("fused_layers")
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         reserved = 0
@@ -79,6 +99,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     kv_cache = KVCache(loaded.num_layers, num_blocks, bs, loaded.num_kv_heads,
                        loaded.head_dim, loaded.dtype, device,
                        num_scratch_blocks=1 if use_graphs else 0)
+    phases.mark("kv_cache")
     reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
                                       loaded.head_dim)
     runner = ModelRunner(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
@@ -89,6 +110,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
             backend_name, kv_cache, num_heads=loaded.num_heads,
             num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
             layer_specs=layer_specs, max_model_len=max_model_len))
+    phases.mark("attention")
     if use_graphs:
         from actors.cuda_graphs import DecodeGraphs, default_buckets
 
@@ -97,6 +119,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
         graphs = DecodeGraphs(runner, default_buckets(max_batch), kv_cache.scratch_page)
         graphs.capture(max_pages=max_batch * -(-max_model_len // bs))
         runner.graphs = graphs
+        phases.mark("cuda_graphs")
     scheduler = Scheduler(
         BlockManager(num_blocks, bs, config.enable_prefix_caching),
         max_num_seqs=config.max_num_seqs,
@@ -112,8 +135,9 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
         base_seed=config.seed)
     outputs = OutputProcessor(loaded.tokenizer, max_model_len=max_model_len,
                               vocab_size=loaded.vocab_size)
+    phases.mark("rest")
     return EngineParts(loaded, max_model_len, kv_cache, runner, scheduler, sampler, inputs,
-                       outputs)
+                       outputs, phases.seconds)
 
 
 def _cuda_feature(name: str, wanted: bool | None, device: torch.device,
