@@ -218,7 +218,9 @@ def bare_stage(args) -> None:
     engine.generate(warm)
     if cuda:
         torch.cuda.synchronize()
-    log(f"bare: engine loaded in {load_s:.1f} s, warmed up; generating {len(requests)} rows")
+    phases = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup.items())
+    log(f"bare: engine loaded in {load_s:.1f} s ({phases}), warmed up; generating "
+        f"{len(requests)} rows")
     t0 = time.perf_counter()
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
@@ -236,7 +238,8 @@ def bare_stage(args) -> None:
         "output_token_ids": pa.array([list(o.output_token_ids) for o in outputs],
                                      pa.list_(pa.int32()))}), args.bare_tokens)
     info = engine.info()
-    result = {"build_model_s": build_s, "load_s": load_s, "elapsed_s": elapsed,
+    result = {"build_model_s": build_s, "load_s": load_s, "load_phases_s": engine.startup,
+              "elapsed_s": elapsed,
               "rows": len(outputs), "output_tokens": tokens, "output_tok_s": tokens / elapsed,
               "attention_backend": info.get("attention_backend"),
               "cuda_graphs": info.get("cuda_graphs"), "sampler_backend": engine.sampler.backend,
