@@ -286,9 +286,10 @@ def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int,
     done = torch.empty(rows, dtype=torch.int32, device=dev)
     vtok = torch.empty(rows, dtype=torch.float32, device=dev)
     small = dict(num_warps=cfg.chunk_warps, enable_fp_fusion=False)
+    # lane maxima only feed the top-k bounds (random rows' top-k, top-k logprobs)
     _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, lanes, km,
-                                  **flags, BLOCK=cfg.chunk_block, VEC=cfg.vec, LANES=True,
-                                  **small)
+                                  **flags, BLOCK=cfg.chunk_block, VEC=cfg.vec,
+                                  LANES=plan.any_random or k > 0, **small)
     params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
               state.iparams.stride(0))
     _chunk_bounds_kernel[(rows,)](part, part_i, lanes, nchunk, km, rec, best, *params, vocab,
