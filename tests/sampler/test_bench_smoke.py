@@ -27,3 +27,22 @@ def test_sampler_bench_runs_on_cpu(tmp_path):
     assert data["meta"]["device"] == "cpu"
     for workload in ("greedy_logprobs", "full"):
         assert workload in run.stdout
+
+
+def test_sampler_bench_triton_variants_under_the_interpreter(tmp_path):
+    """The fused kernel and the chunked pipeline (``c``) through the bench's variant grammar
+    (Triton's CPU interpreter: correctness of the plumbing, not speed)."""
+    import os
+
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sampler_bench.py"), "--device", "cpu",
+         "--batch-sizes", "3", "--vocab-sizes", "97", "--iters", "1", "--warmup", "0",
+         "--backends", "triton,triton@64x4c", "--workloads", "full,top_p",
+         "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    records = json.loads(out.read_text())["records"]
+    assert {(r["backend"], r["workload"]) for r in records if r.get("median_ms", 0) > 0} == {
+        (b, w) for b in ("triton", "triton@64x4c") for w in ("full", "top_p")}
