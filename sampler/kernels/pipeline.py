@@ -53,7 +53,7 @@ class LaunchConfig:
     chunk_block: int = 1024
     chunk_warps: int = 4
     lanes: int = 64
-    draw_rounds: int = 4  # chunked draw-then-verify: verification rounds after the first draw
+    draw_rounds: int = 6  # chunked draw-then-verify: verification rounds after the first draw
 
 
 _config_override: LaunchConfig | None = None
