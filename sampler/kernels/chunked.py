@@ -25,9 +25,10 @@ rows x vocab chunks, and the per-row work in between runs on small per-row progr
 
 The arithmetic of each value is the fused kernel's (the same tile functions, keys, noise
 and top-p prefix sum), so a row gets the fused kernel's token; the log-sum-exps are summed in
-chunk order, so logprobs may differ from the fused kernel's in the last bits. Rows this path
-does not settle (no top-k, more candidates than the list holds) are flagged, and the fused
-kernel, launched after it with those flags, runs them alone. Which path a row takes depends
+chunk order, so logprobs may differ from the fused kernel's in the last bits (and the top-p
+mass of a draw-then-verify row too, which could flip a decision within float rounding of p).
+Rows this path does not settle (more candidates than the list holds, a draw still undecided
+after the last round) are flagged, and the fused kernel, launched after it with those flags, runs them alone. Which path a row takes depends
 on the row alone (its parameters and logits), never on its batch-mates.
 """
 
@@ -41,9 +42,16 @@ from sampler.kernels.fused import (GUMBEL_MAX, _append, _best, _kth_largest, _ls
 from sampler.kernels.noise import LANE0, LANE1, _gumbel, _row_key
 from sampler.kernels.select import _key_id, _key_value, _order_key
 
-# per-row record written by the bounds kernel (float32 fields)
-REC_M_S, REC_M_R, REC_LSE_R, REC_LSE_T, REC_THR, REC_T_K, REC_T_R = range(7)
-REC_WIDTH = 8
+# per-row record written by the bounds kernel (float32 fields): max of x / T, raw max, the
+# two log-sum-exps, the min-p threshold, the top-k and top-k-logprobs bounds
+REC_WIDTH: tl.constexpr = tl.constexpr(8)
+REC_M_S: tl.constexpr = tl.constexpr(0)
+REC_M_R: tl.constexpr = tl.constexpr(1)
+REC_LSE_R: tl.constexpr = tl.constexpr(2)
+REC_LSE_T: tl.constexpr = tl.constexpr(3)
+REC_THR: tl.constexpr = tl.constexpr(4)
+REC_T_K: tl.constexpr = tl.constexpr(5)
+REC_T_R: tl.constexpr = tl.constexpr(6)
 # draw-then-verify state of a row (random, no top-k)
 DRAW_ACTIVE: tl.constexpr = tl.constexpr(1)
 DRAW_SETTLED: tl.constexpr = tl.constexpr(2)
@@ -96,14 +104,14 @@ def _chunk_bounds_kernel(
     t_r = NEG
     if rk_on:
         t_r = _kth_largest(tl.load(lanes + KM, mask=lv, other=NEG), nlp)
-    rec = rec_ptr + row * 8
-    tl.store(rec + 0, m_s)
-    tl.store(rec + 1, tl.max(acc_mr, 0))
-    tl.store(rec + 2, _lse(acc_mr, acc_lr))
-    tl.store(rec + 3, _lse(acc_mt, acc_lt))
-    tl.store(rec + 4, m_s + log_min_p)
-    tl.store(rec + 5, t_k)
-    tl.store(rec + 6, t_r)
+    rec = rec_ptr + row * REC_WIDTH
+    tl.store(rec + REC_M_S, m_s)
+    tl.store(rec + REC_M_R, tl.max(acc_mr, 0))
+    tl.store(rec + REC_LSE_R, _lse(acc_mr, acc_lr))
+    tl.store(rec + REC_LSE_T, _lse(acc_mt, acc_lt))
+    tl.store(rec + REC_THR, m_s + log_min_p)
+    tl.store(rec + REC_T_K, t_k)
+    tl.store(rec + REC_T_R, t_r)
     tl.store(best_ptr + row, best_i)
 
 
@@ -141,11 +149,11 @@ def _chunk_gather_kernel(
     row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
     pos = tl.load(positions_ptr + slot)
     row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
-    rec = rec_ptr + row * 8
-    floor = tl.maximum(tl.load(rec + 4), tl.load(rec + 5))
-    t_r = tl.load(rec + 6)
-    lse_r = tl.load(rec + 2)
-    lse_t = tl.load(rec + 3)
+    rec = rec_ptr + row * REC_WIDTH
+    floor = tl.maximum(tl.load(rec + REC_THR), tl.load(rec + REC_T_K))
+    t_r = tl.load(rec + REC_T_R)
+    lse_r = tl.load(rec + REC_LSE_R)
+    lse_t = tl.load(rec + REC_LSE_T)
     base = logits_ptr + row.to(tl.int64) * stride_row
     cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
     ctr = counter_ptr + row * 2
@@ -189,13 +197,13 @@ def _chunk_finish_kernel(
         rk_on = False
     T = tl.load(fparams_ptr + slot * stride_f + 0)
     top_p = tl.load(fparams_ptr + slot * stride_f + 1)
-    rec = rec_ptr + row * 8
-    m_s = tl.load(rec + 0)
-    m_r = tl.load(rec + 1)
-    lse_r = tl.load(rec + 2)
-    lse_t = tl.load(rec + 3)
-    thr = tl.load(rec + 4)
-    t_r = tl.load(rec + 6)
+    rec = rec_ptr + row * REC_WIDTH
+    m_s = tl.load(rec + REC_M_S)
+    m_r = tl.load(rec + REC_M_R)
+    lse_r = tl.load(rec + REC_LSE_R)
+    lse_t = tl.load(rec + REC_LSE_T)
+    thr = tl.load(rec + REC_THR)
+    t_r = tl.load(rec + REC_T_R)
     cand_p = cand_ptr + row.to(tl.int64) * (2 * CAP)
     cand_r = cand_p + CAP
     n_p = tl.load(counter_ptr + row * 2)
@@ -292,8 +300,8 @@ def _chunk_rank_kernel(
     slot = tl.load(idx_ptr + row)
     T = tl.load(fparams_ptr + slot * stride_f + 0)
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
-    lse_r = tl.load(rec_ptr + row * 8 + 2)
-    lse_t = tl.load(rec_ptr + row * 8 + 3)
+    lse_r = tl.load(rec_ptr + row * REC_WIDTH + REC_LSE_R)
+    lse_t = tl.load(rec_ptr + row * REC_WIDTH + REC_LSE_T)
     v_tok = tl.load(vtok_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     lo = c * CHUNK
@@ -343,8 +351,8 @@ def _chunk_draw_kernel(
     row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
     k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-    m_s = tl.load(rec_ptr + row * 8 + 0)
-    thr = tl.load(rec_ptr + row * 8 + 4)
+    m_s = tl.load(rec_ptr + row * REC_WIDTH + REC_M_S)
+    thr = tl.load(rec_ptr + row * REC_WIDTH + REC_THR)
     s_x = NEG
     if not FIRST:
         s_x = tl.load(draw_ptr + row * 2)

@@ -279,7 +279,7 @@ def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int,
     part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
     part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
     lanes = torch.empty(rows, nchunk, 2, km, dtype=torch.float32, device=dev)
-    rec = torch.empty(rows, REC_WIDTH, dtype=torch.float32, device=dev)
+    rec = torch.empty(rows, REC_WIDTH.value, dtype=torch.float32, device=dev)
     best = torch.empty(rows, dtype=torch.int32, device=dev)
     cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
     counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
