@@ -46,3 +46,18 @@ def test_sampler_bench_triton_variants_under_the_interpreter(tmp_path):
     records = json.loads(out.read_text())["records"]
     assert {(r["backend"], r["workload"]) for r in records if r.get("median_ms", 0) > 0} == {
         (b, w) for b in ("triton", "triton@64x4c") for w in ("full", "top_p")}
+
+
+def test_kernel_resources_compiles_for_sm90():
+    """benchmarks/kernel_resources.py builds a kernel for sm_90 on a machine without a GPU and
+    reads its registers and spill bytes (compiled Triton: not under the interpreter)."""
+    import os
+    import re
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--only",
+         "chunked rank"], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    found = re.search(r"^chunked rank +4 warps +REG:(\d+) STACK:(\d+)$", run.stdout, re.M)
+    assert found, run.stdout
+    assert 0 < int(found[1]) <= 255 and int(found[2]) >= 0

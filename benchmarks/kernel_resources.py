@@ -1,0 +1,117 @@
+"""Registers and spills of the sampler's Triton kernels, compiled ahead of time for a GPU
+architecture (no GPU needed: Triton's own ptxas and cuobjdump do the work).
+
+    python benchmarks/kernel_resources.py                  # sm_90, the launch configs in use
+    python benchmarks/kernel_resources.py --arch 80 --chunk-block 2048 --chunk-warps 8
+
+Prints one line per kernel specialisation: registers per thread and the stack (spill) bytes
+per thread that ``cuobjdump --dump-resource-usage`` reports. A kernel that needs more
+registers than its warps get spills to local memory, which every pass then pays for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POINTERS = {
+    "logits_ptr": "*bf16", "idx_ptr": "*i64", "fparams_ptr": "*fp32", "iparams_ptr": "*i64",
+    "positions_ptr": "*i64", "pbits_ptr": "*i32", "pmask_ptr": "*u8", "counts_ptr": "*i32",
+    "bias_ids_ptr": "*i64", "bias_vals_ptr": "*fp32", "stop_ids_ptr": "*i64", "ban_ptr": "*i64",
+    "allowed_ptr": "*u8", "cand_ptr": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
+    "rank_ptr": "*i64", "topk_id_ptr": "*i64", "topk_val_ptr": "*fp32", "thr_ptr": "*fp32",
+    "counter_ptr": "*i32", "part_ptr": "*fp32", "part_i_ptr": "*i32", "lanes_ptr": "*fp32",
+    "rec_ptr": "*fp32", "best_ptr": "*i32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
+    "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
+}
+MASKS = dict(HAS_PEN=True, HAS_BIAS=True, HAS_STOP=True, HAS_BAN=True, HAS_ALLOWED=True)
+NO_MASKS = {k: False for k in MASKS}
+
+
+def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
+    """``REG:n STACK:m`` of one specialisation."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = inspect.signature(kernel.fn).parameters
+    signature = {n: POINTERS.get(n, "i32") for n in names if n not in constants}
+    signature.update({k: "constexpr" for k in constants})
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "enable_fp_fusion": False})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return f"REG:{found[1]} STACK:{found[2]}" if found else text.strip()
+
+
+def specialisations(args) -> list[tuple[str, object, dict, int]]:
+    from sampler.kernels import chunked
+    from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
+    from sampler.kernels.pipeline import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
+
+    cfg = LaunchConfig()
+    fused = dict(MASKS, ANY_LP=True, ANY_RANDOM=True, ANY_SEL=True, ANY_MASS=True, ANY_RK=True,
+                 HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS,
+                 CAP=cfg.cap, MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=False, NCP2=1,
+                 FAST=cfg.fast, HAS_DONE=False)
+    greedy = dict(NO_MASKS, ANY_RANDOM=False, ANY_SEL=False, ANY_MASS=False, ANY_RK=False)
+    block, warps = args.chunk_block, args.chunk_warps
+    return [
+        ("fused, full workload", _fused_sampler_kernel, fused, cfg.num_warps),
+        ("fused, greedy + top-k logprobs", _fused_sampler_kernel,
+         {**fused, **greedy, "ANY_RK": True}, cfg.num_warps),
+        ("fused, greedy", _fused_sampler_kernel, {**fused, **greedy, "ANY_LP": False},
+         cfg.num_warps),
+        ("chunked stats, full", _stats_kernel,
+         dict(MASKS, ANY_LP=True, ANY_RANDOM=True, BLOCK=block, VEC=cfg.vec, LANES=True), warps),
+        ("chunked stats, greedy", _stats_kernel,
+         dict(NO_MASKS, ANY_LP=True, ANY_RANDOM=False, BLOCK=block, VEC=cfg.vec, LANES=False),
+         warps),
+        ("chunked bounds", chunked._chunk_bounds_kernel, dict(NCP2=16, NL=1024), warps),
+        ("chunked gather", chunked._chunk_gather_kernel,
+         dict(MASKS, ANY_RANDOM=True, ANY_RK=True, BLOCK=block, VEC=cfg.vec, CAP=cfg.cap), warps),
+        ("chunked draw", chunked._chunk_draw_kernel,
+         dict(MASKS, FIRST=False, BLOCK=block, VEC=cfg.vec), warps),
+        ("chunked draw combine", chunked._chunk_draw_combine_kernel,
+         dict(FIRST=False, LAST=False, NCP2=16), warps),
+        ("chunked finish", chunked._chunk_finish_kernel,
+         dict(ANY_LP=True, ANY_RANDOM=True, ANY_RK=True, CAP=cfg.cap, DRAW=True), warps),
+        ("chunked rank", chunked._chunk_rank_kernel, dict(BLOCK=block), warps),
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, str]]:
+    from sampler.kernels.pipeline import LaunchConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    p.add_argument("--chunk-block", type=int, default=LaunchConfig().chunk_block)
+    p.add_argument("--chunk-warps", type=int, default=LaunchConfig().chunk_warps)
+    p.add_argument("--only", default="", help="names containing this text")
+    args = p.parse_args(argv)
+    rows = []
+    for name, kernel, constants, warps in specialisations(args):
+        if args.only and args.only not in name:
+            continue
+        usage = resources(kernel, constants, warps, args.arch)
+        rows.append((name, usage))
+        print(f"{name:34} {warps:2} warps  {usage}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
