@@ -21,11 +21,13 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE),
 MODES = ["raw_logprobs", "raw_logits", "temperature_logprobs"]
 
 
-def random_params(rng: np.random.Generator, vocab: int) -> SamplingParams:
-    greedy = rng.random() < 0.2
+def random_params(rng: np.random.Generator, vocab: int, *, greedy: float = 0.2,
+                  top_k=None) -> SamplingParams:
+    """Random params; ``greedy``: the share of greedy rows, ``top_k``: the top-k choices."""
+    greedy = rng.random() < greedy
     return SamplingParams(
         temperature=0.0 if greedy else float(rng.uniform(0.3, 2.0)),
-        top_k=int(rng.choice([0, 1, 5, 50, vocab - 1, 300])),
+        top_k=int(rng.choice([0, 1, 5, 50, vocab - 1, 300] if top_k is None else list(top_k))),
         top_p=float(rng.choice([1.0, 0.9, 0.5, 0.01])),
         min_p=float(rng.choice([0.0, 0.05])),
         seed=int(rng.integers(0, 2**62)),
@@ -42,13 +44,15 @@ def random_params(rng: np.random.Generator, vocab: int) -> SamplingParams:
     )
 
 
-def make_batch(seed: int, rows: int, vocab: int, *, max_num_seqs: int = 16, backend="torch"):
-    """A sampler holding ``rows`` random requests in random slots, plus the batch's slots."""
+def make_batch(seed: int, rows: int, vocab: int, *, max_num_seqs: int = 16, backend="torch",
+               **choices):
+    """A sampler holding ``rows`` random requests in random slots, plus the batch's slots
+    (``choices``: :func:`random_params`'s keywords)."""
     rng = np.random.default_rng(seed)
     sampler = Sampler(max_num_seqs, vocab, device=DEVICE, eos_token_ids=[2], backend=backend)
     slots = rng.permutation(max_num_seqs)[:rows]
     for slot in slots:
-        params = random_params(rng, vocab)
+        params = random_params(rng, vocab, **choices)
         prompt = rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist()
         output = rng.integers(0, vocab, size=int(rng.integers(0, 8))).tolist()
         words = [[output[-1] if output else 5, 7], [9]] if rng.random() < 0.3 else []
@@ -376,27 +380,9 @@ def _chunked_config(**over):
 
 def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False,
                  top_k=(1, 5, 20, 50, 300)):
-    """Greedy rows and random rows with a top-k from ``top_k`` (0: none), with the masks,
-    penalties and logprobs modes around them."""
-    rng = np.random.default_rng(seed)
-    sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[2], backend="torch")
-    slots = rng.permutation(16)[:rows]
-    for slot in slots:
-        greedy = greedy_only or rng.random() < 0.3
-        params = SamplingParams(
-            temperature=0.0 if greedy else float(rng.uniform(0.5, 1.5)),
-            top_k=int(rng.choice(top_k)),
-            top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
-            logprobs=int(rng.choice([0, 3, 20])), logprobs_mode=str(rng.choice(MODES)),
-            seed=int(rng.integers(0, 2**62)), repetition_penalty=float(rng.choice([1.0, 1.3])),
-            frequency_penalty=float(rng.choice([0.0, 0.5])), min_tokens=int(rng.choice([0, 5])),
-            logit_bias={int(rng.integers(vocab)): 3.0} if rng.random() < 0.3 else None,
-            max_tokens=50)
-        sampler.add_request(int(slot), params, rng.integers(0, vocab, size=10).tolist(),
-                            seed=params.seed,
-                            output_token_ids=rng.integers(0, vocab, size=4).tolist(),
-                            bad_words_token_ids=[[5], [6, 7]] if rng.random() < 0.3 else [])
-    return sampler, slots
+    """:func:`make_batch` with 30% greedy rows (or only greedy ones) and the random rows'
+    top-k drawn from ``top_k`` (0: none)."""
+    return make_batch(seed, rows, vocab, greedy=1.0 if greedy_only else 0.3, top_k=top_k)
 
 
 def _run_chunked(sampler, slots, logits, config, *, thresholds: bool = True):
