@@ -296,21 +296,20 @@ def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int,
                                   NCP2=triton.next_power_of_2(nchunk),
                                   NL=triton.next_power_of_2(nchunk * km), **small)
     any_rk = k > 0
+    masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN", "HAS_ALLOWED")}
     if plan.any_random or any_rk:
         _chunk_gather_kernel[(rows, nchunk)](
-            *head, *tables, rec, cand, counters, chunk,
-            **{f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN",
-                                     "HAS_ALLOWED", "ANY_RANDOM")},
+            *head, *tables, rec, cand, counters, chunk, **masks, ANY_RANDOM=plan.any_random,
             ANY_RK=any_rk, BLOCK=cfg.chunk_block, VEC=cfg.vec, CAP=cfg.cap, **small)
     draw = draw and plan.any_random and not plan.all_top_k
-    draw_f = torch.empty(rows, 2, dtype=torch.float32, device=dev)  # (value of x, mass Z)
-    draw_i = torch.full((rows, 2), DRAW_ACTIVE.value, dtype=torch.int32, device=dev)  # (x, state)
+    draw_f = draw_i = rec  # not read without draws
     if draw:
+        draw_f = torch.empty(rows, 2, dtype=torch.float32, device=dev)  # (value of x, mass Z)
+        draw_i = torch.full((rows, 2), DRAW_ACTIVE.value, dtype=torch.int32,
+                            device=dev)  # (x, state)
         dpart = torch.empty(rows, nchunk, 4, dtype=torch.float32, device=dev)
         dpart_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
         ncp2 = triton.next_power_of_2(nchunk)
-        masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN",
-                                       "HAS_ALLOWED")}
         for r in range(cfg.draw_rounds + 1):
             first, last = r == 0, r == cfg.draw_rounds
             _chunk_draw_kernel[(rows, nchunk)](
