@@ -37,9 +37,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.fused import (GUMBEL_MAX, _append, _best, _kth_largest, _lse, _mode_value,
-                                   _read_cands, _tile)
-from sampler.kernels.noise import LANE0, LANE1, _gumbel, _row_key
+from sampler.kernels.fused import (_append, _best, _gumbel_max_of, _kth_largest, _lse,
+                                   _mode_value, _read_cands, _scan, _tile,
+                                   _top_p_within)
+from sampler.kernels.process import _row_processing
+from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.select import _key_id, _key_value, _order_key
 
 # per-row record written by the bounds kernel (float32 fields): max of x / T, raw max, the
@@ -59,7 +61,7 @@ DRAW_FAILED: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
-def _row_flags(iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V):
+def _row_flags(iparams_ptr, stride_i, slot, V):
     """(greedy, k_on, top_k, lp_on, rk_on, nlp, mode) of a row."""
     top_k = tl.load(iparams_ptr + slot * stride_i + 2)
     nlp = tl.load(iparams_ptr + slot * stride_i + 4)
@@ -82,8 +84,7 @@ def _chunk_bounds_kernel(
     row = tl.program_id(0)
     slot = tl.load(idx_ptr + row)
     log_min_p = tl.load(fparams_ptr + slot * stride_f + 2)
-    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
-        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(iparams_ptr, stride_i, slot, V)
     jc = tl.arange(0, NCP2)
     live = jc < NCHUNK
     pf = part_ptr + (row * NCHUNK + jc) * 8
@@ -132,8 +133,7 @@ def _chunk_gather_kernel(
     row = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(idx_ptr + row)
-    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
-        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(iparams_ptr, stride_i, slot, V)
     sel_on = (not greedy) & k_on
     if not ANY_RANDOM:
         sel_on = False
@@ -141,14 +141,8 @@ def _chunk_gather_kernel(
         rk_on = False
     if not (sel_on | rk_on):
         return
-    T = tl.load(fparams_ptr + slot * stride_f + 0)
-    rep = tl.load(fparams_ptr + slot * stride_f + 3)
-    freq = tl.load(fparams_ptr + slot * stride_f + 4)
-    pres = tl.load(fparams_ptr + slot * stride_f + 5)
-    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
-    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
-    pos = tl.load(positions_ptr + slot)
-    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
+        fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
     rec = rec_ptr + row * REC_WIDTH
     floor = tl.maximum(tl.load(rec + REC_THR), tl.load(rec + REC_T_K))
     t_r = tl.load(rec + REC_T_R)
@@ -163,7 +157,7 @@ def _chunk_gather_kernel(
         offs, vmask, raw, x = _tile(
             base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
             pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            pos < min_tokens, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         if ANY_RANDOM:
             if sel_on:
@@ -191,8 +185,7 @@ def _chunk_finish_kernel(
     NEG = float("-inf")
     row = tl.program_id(0)
     slot = tl.load(idx_ptr + row)
-    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(
-        iparams_ptr, stride_i, fparams_ptr, stride_f, slot, V)
+    greedy, k_on, top_k, lp_on, rk_on, nlp, mode = _row_flags(iparams_ptr, stride_i, slot, V)
     if not ANY_RK:
         rk_on = False
     T = tl.load(fparams_ptr + slot * stride_f + 0)
@@ -232,25 +225,14 @@ def _chunk_finish_kernel(
                                tl.sum(tl.where(ii == top_k - 1, vals, 0.0), 0), NEG)
                 v_p = NEG
                 if top_p < 1.0:
-                    keep = inlist & (vals >= v_k)
-                    e = tl.where(keep, tl.exp(vals - m_s), 0.0)
-                    csum = tl.cumsum(e, 0)
-                    nk = tl.sum(keep.to(tl.int32), 0)
-                    limit = top_p * tl.sum(e, 0)
-                    cnt = (limit > 0).to(tl.int32) + tl.sum(
-                        ((ii < nk - 1) & (csum < limit)).to(tl.int32), 0)
-                    v_p = tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)
+                    v_p = _top_p_within(vals, inlist & (vals >= v_k), m_s, top_p)
                 v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
                 seed = tl.load(iparams_ptr + slot * stride_i + 0)
                 sidx = tl.load(iparams_ptr + slot * stride_i + 1)
                 pos = tl.load(positions_ptr + slot)
                 k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
                 k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-                kept = inlist & (vals >= v_star)
-                score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
-                best = tl.max(score, 0)
-                tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
-                tok = tl.where(best > NEG, tok, 0)
+                tok = _gumbel_max_of(vals, ids, inlist & (vals >= v_star), k0, k1)
     if not settled:
         tl.store(done_ptr + row, 0)
         return
@@ -339,16 +321,11 @@ def _chunk_draw_kernel(
         return
     c = tl.program_id(1)
     slot = tl.load(idx_ptr + row)
-    T = tl.load(fparams_ptr + slot * stride_f + 0)
-    rep = tl.load(fparams_ptr + slot * stride_f + 3)
-    freq = tl.load(fparams_ptr + slot * stride_f + 4)
-    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
+        fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
     seed = tl.load(iparams_ptr + slot * stride_i + 0)
     sidx = tl.load(iparams_ptr + slot * stride_i + 1)
-    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
-    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
     pos = tl.load(positions_ptr + slot)
-    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
     k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
     m_s = tl.load(rec_ptr + row * REC_WIDTH + REC_M_S)
@@ -356,47 +333,21 @@ def _chunk_draw_kernel(
     s_x = NEG
     if not FIRST:
         s_x = tl.load(draw_ptr + row * 2)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    lane = tl.arange(0, R)
-    col = tl.arange(0, VEC)[None, :]
-    acc_sv = tl.full([R], NEG, tl.float32)
-    acc_si = tl.zeros([R], dtype=tl.int32)
-    acc_ss = tl.full([R], NEG, tl.float32)
-    acc_c = tl.zeros([R], dtype=tl.int32)
-    acc_m = tl.zeros([R], dtype=tl.float32)
     lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
-    for start in range(lo, hi, BLOCK):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
-            pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            pos < min_tokens, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        s = tl.math.div_rn(x, T)
-        valid = (s >= thr) & (s > NEG)
-        kept = valid & (s > s_x)  # FIRST: every survivor
-        sk = tl.where(kept, s, NEG)
-        # a tile whose largest value cannot beat the chunk's best score with the largest
-        # noise has nothing to draw
-        if tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0):
-            score = tl.where(kept, sk + _gumbel(offs, k0, k1), NEG)
-            am = tl.argmax(score, 1)
-            tv = tl.max(score, 1)
-            ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
-            upd = tv > acc_sv
-            acc_sv = tl.where(upd, tv, acc_sv)
-            acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
-            acc_ss = tl.where(upd, ts, acc_ss)
-        acc_c += tl.sum(kept.to(tl.int32), 1)
-        acc_m += tl.sum(tl.where(kept, tl.exp(s - m_s), 0.0), 1)
-    best = tl.max(acc_sv, 0)
-    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
-    s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
+    # above x (FIRST: above -inf, every survivor): the draw and the count / mass
+    tok, s_tok, count, mass, _n, _z, best = _scan(
+        logits_ptr + row.to(tl.int64) * stride_row, lo, tl.minimum(lo + CHUNK, V), row, slot,
+        V, W, T, thr, m_s, s_x, s_x, k0, k1,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        DRAW=True, COUNT=True, MASS=True, TOTAL=False)
     out = dpart_ptr + (row * NCHUNK + c) * 4
     tl.store(out + 0, best)
-    tl.store(out + 1, tl.where(best > NEG, s_tok, NEG))
-    tl.store(out + 2, tl.sum(acc_c, 0).to(tl.float32))
-    tl.store(out + 3, tl.sum(acc_m, 0))
+    tl.store(out + 1, s_tok)
+    tl.store(out + 2, count.to(tl.float32))
+    tl.store(out + 3, mass)
     tl.store(dpart_i_ptr + row * NCHUNK + c, tok)
 
 

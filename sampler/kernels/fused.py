@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from sampler.kernels.noise import _gumbel, _row_key, LANE0, LANE1
-from sampler.kernels.process import _processed
+from sampler.kernels.process import _processed, _row_processing
 from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _order_key
 
 
@@ -201,12 +201,35 @@ def _read_cands(cand, n, CAP: tl.constexpr):
     return tl.load(cand + jj, mask=jj < n, other=-9223372036854775807 - 1, cache_modifier=".cg")
 
 
+@triton.jit
+def _top_p_within(vals, keep, m_s, top_p):
+    """The top-p boundary value over the kept candidates ``vals[keep]`` (sorted descending,
+    ``keep`` a prefix): the last value of the tie-extended prefix whose strictly-greater mass
+    is ``< p`` of the kept mass (SAMPLER_SPEC section 2)."""
+    ii = tl.arange(0, vals.shape[0])
+    e = tl.where(keep, tl.exp(vals - m_s), 0.0)
+    c = tl.cumsum(e, 0)
+    nk = tl.sum(keep.to(tl.int32), 0)
+    limit = top_p * tl.sum(e, 0)
+    cnt = (limit > 0).to(tl.int32) + tl.sum(((ii < nk - 1) & (c < limit)).to(tl.int32), 0)
+    return tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)
+
+
+@triton.jit
+def _gumbel_max_of(vals, ids, kept, k0, k1):
+    """The Gumbel-max token among the candidates ``kept`` (lowest id on a tie; 0 if none)."""
+    score = tl.where(kept, vals + _gumbel(ids, k0, k1), float("-inf"))
+    best = tl.max(score, 0)
+    tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
+    return tl.where(best > float("-inf"), tok, 0)
+
+
 GUMBEL_MAX: tl.constexpr = tl.constexpr(24.0)  # bound on _gumbel's values (22.9 at most)
 
 
 @triton.jit
 def _scan(
-    base, row, slot, V, W, T, thr, m_s, s_x, floor, k0, k1,
+    base, lo, hi, row, slot, V, W, T, thr, m_s, s_x, floor, k0, k1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -215,12 +238,13 @@ def _scan(
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
     SKIP: tl.constexpr = True,
 ):
-    """One pass over the survivors (processed / T >= thr) of a row. DRAW: the Gumbel-max
+    """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
+    Gumbel-max
     over the survivors strictly above ``floor`` (token, its value; with SKIP, tiles whose
     largest value cannot beat the best score so far even with the largest noise skip the
     noise). COUNT /
     MASS: survivors strictly above ``s_x`` and their mass exp(s - m_s). TOTAL: survivors and
-    their mass."""
+    their mass. Returns (token, its value, count, mass, survivors, their mass, best score)."""
     NEG = float("-inf")
     BLOCK: tl.constexpr = R * VEC
     lane = tl.arange(0, R)
@@ -232,9 +256,9 @@ def _scan(
     acc_g = tl.zeros([R], dtype=tl.float32)
     acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
+            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
             NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -270,7 +294,7 @@ def _scan(
     s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
     s_tok = tl.where(best > NEG, s_tok, NEG)
     return (tok, s_tok, tl.sum(acc_c, 0), tl.sum(acc_g, 0), tl.sum(acc_n, 0),
-            tl.sum(acc_z, 0))
+            tl.sum(acc_z, 0), best)
 
 
 @triton.jit
@@ -298,15 +322,15 @@ def _draw_then_verify(
     NEG = float("-inf")
     k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
     k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-    tok, s_x, _c, _g, _n, _z = _scan(
-        base, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
+    tok, s_x, _c, _g, _n, _z, _b = _scan(
+        base, 0, V, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
         DRAW=True, COUNT=False, MASS=False, TOTAL=False)
-    _t, _s, n_gt, m_gt, n_valid, z = _scan(
-        base, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
+    _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
+        base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -315,8 +339,8 @@ def _draw_then_verify(
     known_z = (not k_on) | (n_valid <= top_k)
     ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
     if known_z & (s_x > NEG) & (not ok):
-        tok, s_x, _c, _g, _n, _z = _scan(
-            base, row, slot, V, W, T, thr, m_s, NEG, s_x, k0, k1,
+        tok, s_x, _c, _g, _n, _z, _b = _scan(
+            base, 0, V, row, slot, V, W, T, thr, m_s, NEG, s_x, k0, k1,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -324,8 +348,8 @@ def _draw_then_verify(
             DRAW=True, COUNT=False, MASS=False, TOTAL=False)
         rounds = 0
         while (not ok) & (rounds < ROUNDS):
-            nxt, s_nxt, n_gt, m_gt, _n, _z = _scan(
-                base, row, slot, V, W, T, thr, m_s, s_x, s_x, k0, k1,
+            nxt, s_nxt, n_gt, m_gt, _n, _z, _b = _scan(
+                base, 0, V, row, slot, V, W, T, thr, m_s, s_x, s_x, k0, k1,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -588,15 +612,7 @@ def _fused_sampler_kernel(
                     from_cands = p_all
                     if p_on:
                         if p_all:
-                            keep = inlist & (vals >= v_k)
-                            e = tl.where(keep, tl.exp(vals - m_s), 0.0)
-                            c = tl.cumsum(e, 0)
-                            nk = tl.sum(keep.to(tl.int32), 0)
-                            total = tl.sum(e, 0)
-                            limit = top_p * total
-                            cnt = (limit > 0).to(tl.int32) + tl.sum(
-                                ((ii < nk - 1) & (c < limit)).to(tl.int32), 0)
-                            v_p = tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)
+                            v_p = _top_p_within(vals, inlist & (vals >= v_k), m_s, top_p)
                             p_phase = 4
                         else:
                             p_phase = 2
@@ -665,14 +681,10 @@ def _fused_sampler_kernel(
                 keys = tl.load(cand_p + ii, cache_modifier=".cg")
                 vals = _key_value(keys)
                 ids = _key_id(keys)
-                kept = (ii < p_n) & (vals >= v_star)
-                score = tl.where(kept, vals + _gumbel(ids, k0, k1), NEG)
-                best = tl.max(score, 0)
-                tok = tl.min(tl.where(kept & (score == best), ids, 2147483647), 0)
-                tok = tl.where(best > NEG, tok, 0)
+                tok = _gumbel_max_of(vals, ids, (ii < p_n) & (vals >= v_star), k0, k1)
             else:  # the Gumbel-max over the kept set {s >= v_star}, one pass over the row
-                tok, _s, _c, _g, _n, _z = _scan(
-                    base, row, slot, V, W, T, v_star, m_s, NEG, NEG, k0, k1,
+                tok, _s, _c, _g, _n, _z, _b = _scan(
+                    base, 0, V, row, slot, V, W, T, v_star, m_s, NEG, NEG, k0, k1,
                     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                     ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -739,17 +751,11 @@ def _stats_kernel(
     c = tl.program_id(1)
     slot = tl.load(idx_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    T = tl.load(fparams_ptr + slot * stride_f + 0)
-    rep = tl.load(fparams_ptr + slot * stride_f + 3)
-    freq = tl.load(fparams_ptr + slot * stride_f + 4)
-    pres = tl.load(fparams_ptr + slot * stride_f + 5)
-    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
+    T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
+        fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
     nlp = tl.load(iparams_ptr + slot * stride_i + 4)
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
     greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
-    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
-    pos = tl.load(positions_ptr + slot)
-    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     raw_family = (mode == 0) | (mode == 1) | (mode == 4)
     lp_on = (nlp != -2) & raw_family & (nlp >= 0)
     lo = c * CHUNK
@@ -757,7 +763,7 @@ def _stats_kernel(
     acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt = _stats_range(
         base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
-        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, pos < min_tokens,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM)
     bv, bi = _best(acc_bv, acc_bi)

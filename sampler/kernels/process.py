@@ -62,6 +62,20 @@ def _processed(
 
 
 @triton.jit
+def _row_processing(fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot):
+    """A row's parameters of steps 2-6 and its temperature: (T, rep, freq, pres, row_pen,
+    min_tok_active, row_allowed)."""
+    T = tl.load(fparams_ptr + slot * stride_f + 0)
+    rep = tl.load(fparams_ptr + slot * stride_f + 3)
+    freq = tl.load(fparams_ptr + slot * stride_f + 4)
+    pres = tl.load(fparams_ptr + slot * stride_f + 5)
+    min_tok_active = tl.load(positions_ptr + slot) < tl.load(iparams_ptr + slot * stride_i + 3)
+    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    return T, rep, freq, pres, row_pen, min_tok_active, row_allowed
+
+
+@triton.jit
 def _processing_kernel(
     x_ptr, stride_row, V, W, idx_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, fparams_ptr, stride_f,
@@ -72,13 +86,8 @@ def _processing_kernel(
 ):
     row = tl.program_id(0)
     slot = tl.load(idx_ptr + row)
-    rep = tl.load(fparams_ptr + slot * stride_f + 3)
-    freq = tl.load(fparams_ptr + slot * stride_f + 4)
-    pres = tl.load(fparams_ptr + slot * stride_f + 5)
-    min_tokens = tl.load(iparams_ptr + slot * stride_i + 3)
-    row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
-    min_tok_active = tl.load(pos_ptr + slot) < min_tokens
-    row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    _T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
+        fparams_ptr, stride_f, iparams_ptr, stride_i, pos_ptr, slot)
     base = x_ptr + row.to(tl.int64) * stride_row
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
