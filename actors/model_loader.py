@@ -4,7 +4,8 @@ paged attention (``attn_implementation=ATTENTION_NAME``), and refuses what canno
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +42,10 @@ class LoadedModel:
     device: torch.device
     final_logit_softcapping: float | None = None
     logit_scale: float | None = None
+    # seconds of each loading phase: transformers_import, model_config (config + architecture
+    # checks, which import the model's module), cuda_init (device context, CUDA only),
+    # model_weights (from_pretrained onto the device), tokenizer
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _architecture_name(config: Any) -> str:
@@ -93,16 +98,30 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         UnsupportedModelError: the architecture cannot run on the engine.
         OSError / ValueError from transformers: the model cannot be found or read.
     """
+    phases: dict[str, float] = {}
+    last = time.perf_counter()
+
+    def mark(phase: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        phases[phase] = now - last
+        last = now
+
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    mark("transformers_import")  # the first load in a process pays for it
     register_attention()
     common = dict(trust_remote_code=config.trust_remote_code, revision=config.revision)
     hf_config = AutoConfig.from_pretrained(model, **common)
     name = _architecture_name(hf_config)
     check_architecture(hf_config, config.trust_remote_code)
+    mark("model_config")
 
     dtype = resolve_dtype(config.dtype)
     device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.empty(1, device=device)  # the device context, apart from the weights' time
+        mark("cuda_init")
     kwargs = dict(dtype=dtype, attn_implementation=ATTENTION_NAME, **common)
     hf_model = None
     if device.type == "cuda":  # weights straight onto the GPU (no full host copy)
@@ -116,7 +135,9 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
+    mark("model_weights")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)
+    mark("tokenizer")
 
     text = hf_config.get_text_config()
     num_heads = text.num_attention_heads
@@ -138,6 +159,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         device=device,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         logit_scale=getattr(text, "logit_scale", None),
+        phases=phases,
     )
     if loaded.lm_head is None:
         raise UnsupportedModelError(f"{name}: the model has no output embeddings (LM head)")

@@ -45,8 +45,10 @@ class EngineParts:
     sampler: Sampler
     inputs: InputProcessor
     outputs: OutputProcessor
-    # seconds of each build phase: model_load, fused_layers, kv_cache (profiling step memory
-    # and allocating the pool), attention (probe + backend), cuda_graphs (capture), rest
+    # seconds of each build phase: the loading phases of LoadedModel.phases
+    # (transformers_import, model_config, cuda_init, model_weights, tokenizer), fused_layers,
+    # kv_cache (profiling step memory and allocating the pool), attention (probe + backend),
+    # cuda_graphs (capture), rest
     startup: dict[str, float] = field(default_factory=dict)
 
 
@@ -62,12 +64,17 @@ class _Phases:
         self.seconds[name] = now - self._last
         self._last = now
 
+    def add(self, parts: dict[str, float]) -> None:
+        """Records phases timed elsewhere, which ran up to now."""
+        self.seconds.update(parts)
+        self._last = time.perf_counter()
+
 
 def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     """Loads ``model`` and builds everything an engine needs."""
     phases = _Phases()
     loaded = load_model(model, config)
-    phases.mark("model_load")
+    phases.add(loaded.phases)
     max_model_len = config.max_model_len or loaded.max_position_embeddings \
         or _DEFAULT_MAX_MODEL_LEN
     bs = config.block_size

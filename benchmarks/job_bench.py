@@ -222,6 +222,7 @@ def bare_stage(args) -> None:
     log(f"bare: engine loaded in {load_s:.1f} s ({phases}), warmed up; generating "
         f"{len(requests)} rows")
     t0 = time.perf_counter()
+    before = engine.counters.snapshot()
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     outputs = []
@@ -230,6 +231,7 @@ def bare_stage(args) -> None:
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    spent = engine.counters.since(before)
     tokens = sum(o.num_output_tokens for o in outputs)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     outputs.sort(key=lambda o: index[o.id])
@@ -239,13 +241,18 @@ def bare_stage(args) -> None:
                                      pa.list_(pa.int32()))}), args.bare_tokens)
     info = engine.info()
     result = {"build_model_s": build_s, "load_s": load_s, "load_phases_s": engine.startup,
-              "elapsed_s": elapsed,
+              "elapsed_s": elapsed, "steps": spent.steps, "busy_s": spent.busy_s,
+              "device_wait_s": spent.device_wait_s,
               "rows": len(outputs), "output_tokens": tokens, "output_tok_s": tokens / elapsed,
               "attention_backend": info.get("attention_backend"),
               "cuda_graphs": info.get("cuda_graphs"), "sampler_backend": engine.sampler.backend,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     Path(args.bare_result).write_text(json.dumps(result, indent=1))
-    log(f"bare: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} output tok/s")
+    per_step = 1e3 / max(spent.steps, 1)
+    log(f"bare: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} output tok/s "
+        f"({spent.steps} steps: {spent.busy_s * per_step:.1f} ms a step, host "
+        f"{(spent.busy_s - spent.device_wait_s) * per_step:.1f}, waiting for the device "
+        f"{spent.device_wait_s * per_step:.1f})")
 
 
 def run_bare(args, work: Path, config_path: Path) -> dict:

@@ -144,9 +144,10 @@ def test_generation_actor(tiny_llama):
     info = actor.info()
     assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
     startup = actor.startup_report()
-    assert {"process_age", "engine_import", "engine_build", "warm_up", "build_model_load",
-            "build_kv_cache", "build_attention", "build_rest"} == set(startup)  # CPU: no
-    # fused layers, no graphs
+    assert {"process_age", "engine_import", "engine_build", "warm_up",
+            "build_transformers_import", "build_model_config",
+            "build_model_weights", "build_tokenizer", "build_kv_cache", "build_attention",
+            "build_rest"} == set(startup)  # CPU: no device context, fused layers or graphs
     assert sum(v for k, v in startup.items() if k.startswith("build_")) <= \
         startup["engine_build"]
     assert startup["engine_build"] > 0 and startup["warm_up"] == 0.0  # no warm-up on CPU
