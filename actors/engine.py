@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping
 from actors.config import EngineConfig
 from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
-from actors.sequence import Request, Sequence
+from actors.sequence import Request, Sequence, SeqStatus
 from actors.setup import EngineParts, build_engine_parts
 from actors.sleep import SleepController
 from actors.weights import WeightLoader
@@ -234,17 +234,18 @@ class Engine:
         ranks = host.ranks.tolist() if host.ranks is not None else None
         extra = step.token_logprobs.get().token_ids.tolist() \
             if step.token_logprobs is not None else None
+        top_ids, top_values = host.topk_ids, host.topk_values
+        outputs, pending_pos, finished = self.outputs, step.pending_pos, SeqStatus.FINISHED
         for row, seq in enumerate(step.sample_seqs):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue  # finished by the previous step (or aborted): this token is dropped
             if seq.raw_logprobs is not None:
-                self.outputs.record_token_logprobs(seq, *extra[row])
+                outputs.record_token_logprobs(seq, *extra[row])
             if seq.logprobs is not None:
-                self.outputs.record_logprobs(
-                    seq, values[row], ranks[row],
-                    None if host.topk_ids is None else host.topk_ids[row],
-                    None if host.topk_values is None else host.topk_values[row])
-            if self.outputs.append_token(seq, tokens[row], step.pending_pos[row]):
+                outputs.record_logprobs(seq, values[row], ranks[row],
+                                        None if top_ids is None else top_ids[row],
+                                        None if top_values is None else top_values[row])
+            if outputs.append_token(seq, tokens[row], pending_pos[row]):
                 self._ready.append(self._finish(seq))
 
     # ------------------------------------------------------------------ conveniences

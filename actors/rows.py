@@ -117,6 +117,31 @@ def _value(table: pa.Table, column: str, i: int, field_name: str) -> Any:
                          f"at byte {exc.start})") from None
 
 
+class _Cells:
+    """Python values of a table's cells, converting a whole column at its first use (one
+    C loop instead of a conversion per cell). A column that cannot convert as a whole (a
+    string that is not UTF-8, say) converts cell by cell, so only its bad rows fail."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self._columns: dict[str, list[Any] | None] = {}
+
+    def get(self, column: str, i: int, field_name: str) -> Any:
+        values = self._columns.get(column, _UNCONVERTED)
+        if values is _UNCONVERTED:
+            try:
+                values = self.table.column(column).to_pylist()
+            except Exception:  # noqa: BLE001 - the per-cell path names the row and the field
+                values = None
+            self._columns[column] = values
+        if values is None:
+            return _value(self.table, column, i, field_name)
+        return values[i]
+
+
+_UNCONVERTED = object()
+
+
 def _messages(value: list, column: str) -> list[dict[str, Any]]:
     if not value:
         raise ValueError(f"messages: no messages in the {column!r} column")
@@ -130,12 +155,12 @@ def _messages(value: list, column: str) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt(task: ShardTask, table: pa.Table, i: int) -> Any:
+def _prompt(task: ShardTask, cells: _Cells, i: int) -> Any:
     for role in ("prompt", "messages", "token_ids"):
         name = task.columns.get(role)
-        if name is None or name not in table.column_names:
+        if name is None or name not in cells.table.column_names:
             continue
-        value = _value(table, name, i, "messages" if role == "messages" else "prompt")
+        value = cells.get(name, i, "messages" if role == "messages" else "prompt")
         if value is None:
             continue
         return _messages(value, name) if role == "messages" else value
@@ -148,11 +173,12 @@ class _ParamsReader:
     """A row's SamplingParams over the job defaults. Rows often repeat their params (none,
     or the same JSON text): those are validated once per shard."""
 
-    def __init__(self, task: ShardTask, table: pa.Table) -> None:
+    def __init__(self, task: ShardTask, cells: _Cells) -> None:
         self.task = task
         column = task.columns.get("params")
-        self.column = column if column is not None and column in table.column_names else None
-        self.table = table
+        self.column = column if column is not None and column in cells.table.column_names \
+            else None
+        self.cells = cells
         self._seen: dict[Any, SamplingParams] = {}
 
     def _coerce(self, raw: Any) -> SamplingParams:
@@ -165,8 +191,7 @@ class _ParamsReader:
         return params
 
     def read(self, i: int, row_id: Any) -> SamplingParams:
-        raw = None if self.column is None else _value(self.table, self.column, i,
-                                                      "sampling_params")
+        raw = None if self.column is None else self.cells.get(self.column, i, "sampling_params")
         if raw is None or isinstance(raw, str):
             params = self._seen.get(raw)
             if params is None:
@@ -187,7 +212,8 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
     """Requests for the rows that can run; an ``ErrorOutput`` for each row that cannot."""
     requests: list[Request] = []
     errors: dict[int, ErrorOutput] = {}
-    params_of = _ParamsReader(task, table)
+    cells = _Cells(table)
+    params_of = _ParamsReader(task, cells)
     for i, row_id in enumerate(ids):
         try:
             if id_errors and i in id_errors:
@@ -195,7 +221,7 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
             if row_id is None:
                 raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
             params = params_of.read(i, row_id)
-            prompt = _prompt(task, table, i)
+            prompt = _prompt(task, cells, i)
         except (ValueError, TypeError) as exc:
             errors[i] = ErrorOutput(error=row_message(task, row_id, i, str(exc)))
             continue

@@ -138,21 +138,41 @@ class Scheduler:
         left of it."""
         bm, bs, max_len = self.bm, self.block_size, self.max_model_len
         running = SeqStatus.RUNNING
+        prefix_caching = bm.enable_prefix_caching
+        chunks, scheduled = out.chunks, out.scheduled_ids
+        sample_seqs, sample_chunks = out.sample_seqs, out.sample_chunks
         for seq in seqs:  # inlined per-sequence checks:
             if budget == 0:                              # this loop runs for every running
                 break                                    # sequence at every step
             if seq.status is not running:
                 continue
-            num_tokens = len(seq.token_ids)
+            token_ids = seq.token_ids
+            num_tokens = len(token_ids)
             request = seq.request
             max_tokens = request.params.max_tokens
-            if num_tokens >= max_len or (max_tokens is not None and num_tokens
-                                         - len(request.prompt_token_ids) >= max_tokens):
+            num_prompt = len(request.prompt_token_ids)
+            if num_tokens >= max_len or (max_tokens is not None
+                                         and num_tokens - num_prompt >= max_tokens):
                 continue  # is_generation_done
-            num_new = min(num_tokens - seq.num_computed_tokens, budget)
-            need = -(-(seq.num_computed_tokens + num_new) // bs) - len(seq.block_table)
+            start = seq.num_computed_tokens
+            num_new = min(num_tokens - start, budget)
+            after = start + num_new
+            need = -(-after // bs) - len(seq.block_table)
+            if need <= 0 and start >= num_prompt and seq.fanout == 1 and not (
+                    prefix_caching and self._blocks_to_register(seq, after)):
+                # the common decode chunk: no pages, no prompt rows, no fork, no new full
+                # block (what _schedule_chunk does for it, inlined)
+                seq.num_computed_tokens = after
+                chunks.append(ScheduledChunk(seq, start, num_new))
+                scheduled.add(seq.seq_id)
+                out.num_tokens += num_new
+                budget -= num_new
+                if after == num_tokens:
+                    sample_chunks.append(len(chunks) - 1)
+                    sample_seqs.append(seq)
+                continue
             if seq.fanout > 1:
-                need += self._fork_pages(seq, seq.num_computed_tokens + num_new)
+                need += self._fork_pages(seq, after)
             if need > bm.num_free_blocks:
                 while need > bm.num_free_blocks:
                     victim = self._newest_unscheduled(out.scheduled_ids)
@@ -227,18 +247,21 @@ class Scheduler:
         num_prompt = len(seq.request.prompt_token_ids)
         if start < num_prompt:
             self.stats.num_prompt_tokens_computed += min(after, num_prompt) - start
-        if self.bm.enable_prefix_caching:
-            bs = self.block_size
-            known = len(seq.token_ids) - seq.num_pending
-            # skip the call when no block became full or computed (most decode steps)
-            if known // bs > len(seq.block_hashes) or after // bs > seq.num_registered_blocks:
-                self._register_blocks(seq)
+        if self.bm.enable_prefix_caching and self._blocks_to_register(seq, after):
+            self._register_blocks(seq)
         if after == len(seq.token_ids):  # the chunk reaches the end: its last row samples
             chunk_idx = len(out.chunks) - 1
             out.sample_seqs.append(seq)
             out.sample_chunks.append(chunk_idx)
             if seq.fanout > 1:
                 self._fork(seq, chunk_idx, out)
+
+    def _blocks_to_register(self, seq: Sequence, computed_after: int) -> bool:
+        """Whether a block of ``seq`` became full or computed (false on most decode steps)."""
+        bs = self.block_size
+        known = len(seq.token_ids) - seq.num_pending
+        return known // bs > len(seq.block_hashes) or \
+            computed_after // bs > seq.num_registered_blocks
 
     def _fork(self, parent: Sequence, chunk_idx: int, out: SchedulerOutput) -> None:
         full = parent.num_tokens // self.block_size

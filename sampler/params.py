@@ -11,7 +11,8 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
 LogprobsMode = Literal[
     "raw_logprobs",
