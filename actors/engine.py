@@ -275,10 +275,11 @@ class Engine:
         return mine
 
     def warm_up(self) -> float:
-        """Runs six short requests through the engine (greedy, seeded top-p, top-k, min-p with
-        top-k and top-p, top-k logprobs, sampled-token logprob) so the first real step does
-        not pay for compiling or loading kernels, then forgets their prefix cache. Returns the
-        seconds it took."""
+        """Runs a full batch (``max_num_seqs``) of short requests through the engine, cycling
+        six kinds (greedy, seeded top-p, top-k, min-p with top-k and top-p, top-k logprobs,
+        sampled-token logprob), so the first real batch does not pay for compiling or
+        loading kernels, nor for growing the host buffers and pools to its size; then forgets
+        their prefix cache. Returns the seconds it took."""
         from sampler import SamplingParams
 
         started = time.perf_counter()
@@ -289,8 +290,10 @@ class Engine:
                  dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2),
                  dict(temperature=1.0, logprobs=min(20, self.config.max_logprobs)),
                  dict(temperature=0.0, logprobs=0)]
+        kinds = [SamplingParams(**kind, **common) for kind in kinds]
         requests = [(f"__warm_up__.{i}", [(97 * i + 13 * j + 5) % vocab for j in range(16)],
-                     SamplingParams(**kind, **common)) for i, kind in enumerate(kinds)]
+                     kinds[i % len(kinds)])
+                    for i in range(max(len(kinds), self.config.max_num_seqs))]
         self.generate(requests)
         self.reset_prefix_cache()
         return time.perf_counter() - started

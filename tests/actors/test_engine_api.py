@@ -181,12 +181,14 @@ def test_generation_actor_under_ray(tiny_llama):
 
 
 def test_warm_up_leaves_nothing_behind(tiny_llama):
-    """warm_up runs its six requests to completion: no outputs surface later, the prefix cache
+    """warm_up runs its full batch to completion: no outputs surface later, the prefix cache
     is empty again, and a request afterwards gives what it gives on a fresh engine."""
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=4, logprobs=2)
     fresh = make_engine(tiny_llama).generate([("a", [5, 6, 7, 8], params)])
     engine = make_engine(tiny_llama)
     assert engine.warm_up() > 0
+    # a full batch of 16-token prompts went through
+    assert engine.scheduler.stats.num_prompt_tokens_computed == 16 * engine.config.max_num_seqs
     assert not engine.has_unfinished_requests() and engine.step() == []
     assert not engine.scheduler.bm._cached
     again = engine.generate([("a", [5, 6, 7, 8], params)])
