@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ class _Step:
     host_start: float
     host_end: float = 0.0
     events: dict[str, torch.cuda.Event] = field(default_factory=dict)
+    host_marks: dict[str, float] = field(default_factory=dict)  # host clock at each mark
+    wait_s: float = 0.0  # host time blocked on sampled tokens after this step's launch
 
 
 class StepTimer:
@@ -40,7 +43,10 @@ class StepTimer:
         self._wait_start = time.perf_counter()
 
     def wait_end(self) -> None:
-        self.wait_s += time.perf_counter() - self._wait_start
+        waited = time.perf_counter() - self._wait_start
+        self.wait_s += waited
+        if self.steps:
+            self.steps[-1].wait_s += waited
 
     def begin_step(self, num_tokens: int, num_seqs: int) -> None:
         self.steps.append(_Step(num_tokens, num_seqs, time.perf_counter()))
@@ -49,17 +55,19 @@ class StepTimer:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self.steps[-1].events[name] = event
+        self.steps[-1].host_marks[name] = time.perf_counter()
 
     def end_step(self) -> None:
         self.mark("end")
         self.steps[-1].host_end = time.perf_counter()
 
-    def summary(self, min_batch: int = 0) -> dict[str, float]:
+    def summary(self, min_batch: int = 0) -> dict[str, Any]:
         """Decode-step figures over the pure-decode steps with at least ``min_batch`` rows:
         ``decode_steps``, ``ms_per_decode_step`` (start-to-start period), ``gpu_ms_per_step``
         (start to end), ``sampler_ms_per_step``, ``idle_fraction`` (gaps over the period),
-        ``host_launch_ms`` (host time inside ``launch``), and over the whole timed run
-        ``host_busy_fraction`` (host time not spent waiting for sampled tokens)."""
+        ``host_launch_ms`` (host time inside ``launch``), ``largest_gaps`` (see
+        :func:`largest_gaps`), and over the whole timed run ``host_busy_fraction`` (host time
+        not spent waiting for sampled tokens)."""
         torch.cuda.synchronize()
         steps = [s for s in self.steps if "gpu_start" in s.events and "end" in s.events]
         pick = [i for i in range(len(steps) - 1)
@@ -77,6 +85,7 @@ class StepTimer:
                 sample.append(s.events["sample"].elapsed_time(end))
             host.append((s.host_end - s.host_start) * 1e3)
         total = float(np.sum(period))
+        gaps = largest_gaps(steps, [(i, g) for i, g in zip(pick, gap)])
         return {
             "decode_steps": len(pick),
             "mean_batch": float(np.mean([steps[i].num_seqs for i in pick])),
@@ -85,6 +94,27 @@ class StepTimer:
             "sampler_ms_per_step": float(np.median(sample)) if sample else 0.0,
             "idle_fraction": float(np.sum(gap)) / total if total > 0 else 0.0,
             "host_launch_ms": float(np.median(host)),
+            "largest_gaps": gaps,
             "host_busy_fraction": 1.0 - self.wait_s / max(
                 1e-9, self.steps[-1].host_end - self._clock_start),
         }
+
+
+def largest_gaps(steps: list[_Step], gaps: list[tuple[int, float]],
+                 count: int = 5) -> list[dict[str, float]]:
+    """The ``count`` largest device-idle gaps, ``(index of the step before the gap, gap ms)``,
+    with where the host's time went between that step's launch and the next one's first
+    device operation: ``waited_ms`` (blocked on the previous step's sampled tokens),
+    ``host_between_ms`` (from the end of the launch to the next step's start: that wait, the
+    outputs of the previous step, the next schedule) and ``prepare_ms`` (the next step's input
+    packing, up to its first device operation)."""
+    out = []
+    for i, gap in sorted(gaps, key=lambda g: -g[1])[:count]:
+        s, nxt = steps[i], steps[i + 1]
+        out.append({
+            "step": i, "num_seqs": nxt.num_seqs, "gap_ms": float(gap),
+            "waited_ms": s.wait_s * 1e3,
+            "host_between_ms": (nxt.host_start - s.host_end) * 1e3,
+            "prepare_ms": (nxt.host_marks.get("gpu_start", nxt.host_start) - nxt.host_start) * 1e3,
+        })
+    return out
