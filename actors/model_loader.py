@@ -87,6 +87,24 @@ def check_model_class(cls: type, name: str) -> None:
         )
 
 
+class PhaseTimer:
+    """Seconds between successive ``mark(name)`` calls (the first from construction)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+    def add(self, parts: dict[str, float]) -> None:
+        """Records phases timed elsewhere, which ran up to now."""
+        self.seconds.update(parts)
+        self._last = time.perf_counter()
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
@@ -98,14 +116,8 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         UnsupportedModelError: the architecture cannot run on the engine.
         OSError / ValueError from transformers: the model cannot be found or read.
     """
-    phases: dict[str, float] = {}
-    last = time.perf_counter()
-
-    def mark(phase: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        phases[phase] = now - last
-        last = now
+    phases = PhaseTimer()
+    mark = phases.mark
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +171,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         device=device,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         logit_scale=getattr(text, "logit_scale", None),
-        phases=phases,
+        phases=phases.seconds,
     )
     if loaded.lm_head is None:
         raise UnsupportedModelError(f"{name}: the model has no output embeddings (LM head)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +21,7 @@ from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.inputs import InputProcessor
 from actors.kv_cache import KVCache, bytes_per_block, compute_num_blocks
-from actors.model_loader import LoadedModel, UnsupportedModelError, load_model
+from actors.model_loader import LoadedModel, PhaseTimer, UnsupportedModelError, load_model
 from actors.model_runner import ModelRunner
 from actors.output_processor import OutputProcessor
 from actors.scheduler import Scheduler
@@ -52,27 +51,9 @@ class EngineParts:
     startup: dict[str, float] = field(default_factory=dict)
 
 
-class _Phases:
-    """Seconds between successive ``mark(name)`` calls."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = now - self._last
-        self._last = now
-
-    def add(self, parts: dict[str, float]) -> None:
-        """Records phases timed elsewhere, which ran up to now."""
-        self.seconds.update(parts)
-        self._last = time.perf_counter()
-
-
 def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     """Loads ``model`` and builds everything an engine needs."""
-    phases = _Phases()
+    phases = PhaseTimer()
     loaded = load_model(model, config)
     phases.add(loaded.phases)
     max_model_len = config.max_model_len or loaded.max_position_embeddings \

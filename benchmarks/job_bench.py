@@ -221,17 +221,18 @@ def bare_stage(args) -> None:
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup.items())
     log(f"bare: engine loaded in {load_s:.1f} s ({phases}), warmed up; generating "
         f"{len(requests)} rows")
-    t0 = time.perf_counter()
-    before = engine.counters.snapshot()
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    spent = engine.counters.since(before)
+    with e2e.frozen_heap():  # as the actors after startup
+        t0 = time.perf_counter()
+        before = engine.counters.snapshot()
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs.extend(engine.step())
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        spent = engine.counters.since(before)
     tokens = sum(o.num_output_tokens for o in outputs)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     outputs.sort(key=lambda o: index[o.id])

@@ -141,8 +141,8 @@ def _triton_variant(name: str) -> None:
     """``triton@BLOCKxWARPS[xCAP][n][f][s][pSPLIT][vVEC]`` selects a launch config of the fused
     kernel (a tuning sweep): n = per-lane bin counts instead of tl.histogram, f = no skipping
     of empty tiles in the sampling pass, s = the exact selection passes always (no
-    draw-then-verify), c = the chunked pipeline for batches of greedy / top-k rows
-    (``sampler.kernels.chunked``), pSPLIT = pass 1 as a separate kernel over vocab chunks of
+    draw-then-verify), c = the chunked pipeline first (``sampler.kernels.chunked``; the
+    fused kernel takes the rows it leaves), pSPLIT = pass 1 as a separate kernel over vocab chunks of
     SPLIT tokens, vVEC = tokens per thread and tile row."""
     import re
 

@@ -45,9 +45,9 @@ class LaunchConfig:
     skip: bool = True  # the full sampling pass skips tiles with nothing kept
     split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
     fast: bool = True  # top-k alone / top-p alone: draw over the min-p survivors, then verify
-    # the chunked pipeline (sampler.kernels.chunked) first, for the greedy and top-k rows of
-    # every batch: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes` lane maxima
-    # kept per chunk for the top-k bounds
+    # the chunked pipeline (sampler.kernels.chunked) first, the fused kernel only for the rows
+    # it leaves unsettled: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes`
+    # lane maxima kept per chunk for the top-k bounds
     chunked: bool = False
     chunk: int = 16384
     chunk_block: int = 1024

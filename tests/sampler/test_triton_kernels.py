@@ -61,13 +61,19 @@ def make_batch(seed: int, rows: int, vocab: int, *, max_num_seqs: int = 16, back
     return sampler, slots
 
 
+def step_inputs(sampler: Sampler, slots: np.ndarray):
+    """(state, plan, device row->slot mapping) of a step over ``slots``, pending state
+    flushed."""
+    state = sampler.state
+    state.flush()
+    return state, make_plan(state, slots), torch.as_tensor(slots, dtype=torch.int64,
+                                                           device=DEVICE)
+
+
 def both_backends(sampler: Sampler, slots: np.ndarray, logits: torch.Tensor):
     from sampler.kernels.pipeline import run_pipeline_triton
 
-    state = sampler.state
-    state.flush()
-    plan = make_plan(state, slots)
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    state, plan, idx = step_inputs(sampler, slots)
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
     thresholds = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
     out = run_pipeline_triton(logits, idx, state, plan, inplace=False, thresholds=thresholds)
@@ -111,10 +117,7 @@ def test_kept_sets_equal_oracle(seed):
         logits = torch.round(logits * 2) / 2
     from sampler.kernels.pipeline import run_pipeline_triton
 
-    state = sampler.state
-    state.flush()
-    plan = make_plan(state, slots)
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    state, plan, idx = step_inputs(sampler, slots)
     processed = logits.clone()
     run_pipeline(processed, idx, state, plan, inplace=True)  # -> processed logits / T, masked
     thresholds = torch.empty(rows, device=DEVICE)
@@ -151,11 +154,8 @@ def test_tie_group_larger_than_the_candidate_list_at_the_boundary():
     row[10:15] = 2.0
     row[100:300] = -0.5  # 200 equal values: more than any candidate list of these tests
     logits = row.expand(len(specs), vocab).contiguous().to(DEVICE)
-    state = sampler.state
-    state.flush()
     slots = np.arange(len(specs))
-    plan = make_plan(state, slots)
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    state, plan, idx = step_inputs(sampler, slots)
     processed = logits.clone()
     ref = run_pipeline(processed, idx, state, plan, inplace=True)
     thresholds = torch.empty(len(specs), device=DEVICE)
@@ -338,10 +338,7 @@ def test_sliced_vocab_and_bf16():
     sampler, slots = make_batch(11, 5, vocab)
     padded = torch.randn(5, 320, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     logits = padded.to(DEVICE)[:, :vocab]
-    state = sampler.state
-    state.flush()
-    plan = make_plan(state, slots)
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    state, plan, idx = step_inputs(sampler, slots)
     ref = run_pipeline(logits.contiguous(), idx, state, plan, inplace=False)
     before = logits.clone()
     out = run_pipeline_triton(logits, idx, state, plan, inplace=False)
@@ -391,10 +388,7 @@ def _run_chunked(sampler, slots, logits, config, *, thresholds: bool = True):
     import sampler.kernels.pipeline as launcher
     from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
 
-    state = sampler.state
-    state.flush()
-    plan = make_plan(state, slots)
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=DEVICE)
+    state, plan, idx = step_inputs(sampler, slots)
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
     thr_fused = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
     fused = run_pipeline_triton(logits, idx, state, plan, inplace=False,
