@@ -146,8 +146,7 @@ class Scheduler:
                 break                                    # sequence at every step
             if seq.status is not running:
                 continue
-            token_ids = seq.token_ids
-            num_tokens = len(token_ids)
+            num_tokens = len(seq.token_ids)
             request = seq.request
             max_tokens = request.params.max_tokens
             num_prompt = len(request.prompt_token_ids)
