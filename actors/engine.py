@@ -36,20 +36,24 @@ __all__ = ["Engine", "EngineConfig", "StepCounters"]
 class StepCounters:
     """Running totals of ``Engine.step()`` calls (a few clock reads a step): ``steps`` that
     launched work, seconds inside ``step()`` (``busy_s``) and, of those, seconds blocked on
-    the device for the previous step's results (``device_wait_s``). Differences of two
-    snapshots describe a stretch of work: host time per step is ``(busy_s - device_wait_s) /
-    steps``; a host that keeps ahead of the device shows most of ``busy_s`` as waiting."""
+    the device for the previous step's results (``device_wait_s``), and the CPU time the
+    stepping thread got outside those waits (``cpu_s``, ``time.thread_time``). Differences of
+    two snapshots describe a stretch of work: host time per step is ``(busy_s -
+    device_wait_s) / steps``; a host that keeps ahead of the device shows most of ``busy_s``
+    as waiting; host time well above ``cpu_s`` is time the thread was runnable but not
+    running (another thread holding the GIL, or no free core)."""
 
     steps: int = 0
     busy_s: float = 0.0
     device_wait_s: float = 0.0
+    cpu_s: float = 0.0
 
     def snapshot(self) -> "StepCounters":
-        return StepCounters(self.steps, self.busy_s, self.device_wait_s)
+        return StepCounters(self.steps, self.busy_s, self.device_wait_s, self.cpu_s)
 
     def since(self, before: "StepCounters") -> "StepCounters":
         return StepCounters(self.steps - before.steps, self.busy_s - before.busy_s,
-                            self.device_wait_s - before.device_wait_s)
+                            self.device_wait_s - before.device_wait_s, self.cpu_s - before.cpu_s)
 
 
 class Engine:
@@ -187,7 +191,7 @@ class Engine:
     def step(self) -> list[GenerationOutput]:
         """Runs one step; returns the outputs of the samples that finished (or failed)."""
         with self._step_lock:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             if self._blocked is not None and self.has_unfinished_requests():
                 raise RuntimeError(self._blocked)
             self._drain_inbox()
@@ -204,6 +208,7 @@ class Engine:
             counters = self.counters
             counters.steps += launched is not None
             counters.busy_s += time.perf_counter() - started
+            counters.cpu_s += time.thread_time() - cpu_started
             return ready
 
     def _admit_to_sampler(self, seq: Sequence) -> None:
@@ -224,9 +229,11 @@ class Engine:
         timer = self.executor.timer
         if timer is not None:
             timer.wait_begin()
-        waited = time.perf_counter()
+        waited, cpu_waited = time.perf_counter(), time.thread_time()
         host = step.output.get()
-        self.counters.device_wait_s += time.perf_counter() - waited
+        counters = self.counters
+        counters.device_wait_s += time.perf_counter() - waited
+        counters.cpu_s -= time.thread_time() - cpu_waited  # a spinning wait is not host work
         if timer is not None:
             timer.wait_end()
         tokens = host.token_ids.tolist()

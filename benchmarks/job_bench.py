@@ -243,7 +243,7 @@ def bare_stage(args) -> None:
     info = engine.info()
     result = {"build_model_s": build_s, "load_s": load_s, "load_phases_s": engine.startup,
               "elapsed_s": elapsed, "steps": spent.steps, "busy_s": spent.busy_s,
-              "device_wait_s": spent.device_wait_s,
+              "device_wait_s": spent.device_wait_s, "cpu_s": spent.cpu_s,
               "rows": len(outputs), "output_tokens": tokens, "output_tok_s": tokens / elapsed,
               "attention_backend": info.get("attention_backend"),
               "cuda_graphs": info.get("cuda_graphs"), "sampler_backend": engine.sampler.backend,
@@ -252,7 +252,8 @@ def bare_stage(args) -> None:
     per_step = 1e3 / max(spent.steps, 1)
     log(f"bare: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} output tok/s "
         f"({spent.steps} steps: {spent.busy_s * per_step:.1f} ms a step, host "
-        f"{(spent.busy_s - spent.device_wait_s) * per_step:.1f}, waiting for the device "
+        f"{(spent.busy_s - spent.device_wait_s) * per_step:.1f} (on a CPU "
+        f"{spent.cpu_s * per_step:.1f}), waiting for the device "
         f"{spent.device_wait_s * per_step:.1f})")
 
 

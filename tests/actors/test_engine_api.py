@@ -57,6 +57,9 @@ def test_one_step_in_flight(tiny_llama):
     counters = engine.counters  # 3 launches (prefill + 2 decodes); the 4th call only reads
     assert counters.steps == 3
     assert 0 <= counters.device_wait_s <= counters.busy_s
+    # thread CPU time outside the waits: positive (the steps ran a model) and within the
+    # wall time outside the waits (the clocks tick at different grains: 1 ms of slack)
+    assert 0 < counters.cpu_s <= counters.busy_s - counters.device_wait_s + 1e-3
 
 
 def test_server_reports_where_a_call_spent_its_time(tiny_llama):
@@ -72,6 +75,7 @@ def test_server_reports_where_a_call_spent_its_time(tiny_llama):
                                                            for o in outs)
     assert first["steps"] == 5  # both prompts in one prefill step, then 4 decode steps
     assert 0 <= first["device_wait_s"] <= first["busy_s"] <= first["run_s"]
+    assert 0 < first["cpu_s"] <= first["busy_s"] + 1e-3
     assert first["queued_s"] >= 0
     server.run([("c", [5, 6], params.replace(max_tokens=2))], exclusive=True, stats=second)
     assert second["steps"] == 2  # the call's own steps only
