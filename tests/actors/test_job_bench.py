@@ -26,7 +26,7 @@ def job_bench():
 def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_path, capsys):
     report = job_bench.main(["--model-config", "tiny", "--device", "cpu", "--rows", "64",
                              "--output-len", "32", "--rows-per-shard", "16", "--max-actors",
-                             "2", "--no-overlap-run", "--out", str(tmp_path),
+                             "2", "--no-overlap-run", "--repeats", "2", "--out", str(tmp_path),
                              "--tmp", str(tmp_path)])
     assert json.loads((tmp_path / "job_bench.json").read_text()) == \
         json.loads(json.dumps(report, default=str))
@@ -43,6 +43,12 @@ def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_pat
     assert kill["checks"]["same_rows_as_clean_2_actors"]
     bare = report["bare_engine"]
     assert bare["rows"] == 64 and bare["output_tokens"] == 64 * 32
+    # two runs of each (fresh processes); the rows above are the median (lower middle) ones
+    samples = report["repeat_tok_s"]
+    assert {k: len(v) for k, v in samples.items()} == {"bare": 2, "1_actor": 2, "2_actors": 2}
+    assert bare["output_tok_s"] == min(samples["bare"])
+    assert jobs["1_actor"]["output_tok_s"] == min(samples["1_actor"])
+    assert jobs["1_actor"]["checks"]["every_repeat"] and len(jobs["2_actors"]["repeats"]) == 2
     assert jobs["1_actor"]["token_ids_equal_bare"] == 1.0  # float32 on CPU: no near-ties
     assert "all checks passed" in capsys.readouterr().out
 
