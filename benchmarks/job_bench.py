@@ -340,6 +340,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     events: dict[str, float] = {}
     ready: list[float] = []
+    actor_events: list[tuple[float, str, str, int]] = []  # (time, actor, "ready"|"shard", id)
     lines: list[str] = []
 
     def read() -> None:
@@ -348,8 +349,11 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             line = ANSI.sub("", line)
             lines.append(line.rstrip("\n"))
             print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
-            if re.search(r"jobs\.dispatch: actor-\d+ ready", line):
+            if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
                 ready.append(now)
+                actor_events.append((now, m.group(1), "ready", -1))
+            elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
+                actor_events.append((now, m.group(2), "shard", int(m.group(1))))
             elif "jobs.runner: job finished" in line:
                 events["finished"] = now
 
@@ -384,7 +388,28 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             "start_to_all_ready_s": (max(ready) if ready else started) - started,
             "generation_s": finished - first_ready, "actors_started": len(ready),
             "ready_skew_s": (max(ready) - min(ready)) if ready else 0.0,
+            "actor_events": [(t - started, a, kind, i) for t, a, kind, i in actor_events],
             "killed": killed, "log_tail": lines[-12:]}
+
+
+def actor_windows(events: list[tuple[float, str, str, int]], shard_tokens) -> dict[str, dict]:
+    """Per actor: its shards, their output tokens (``shard_tokens(shard id)``) and its busy
+    window, from its last "ready" to its last shard committed (a restarted actor counts from
+    its new start). What each actor generated while it was up, free of the other's start."""
+    out: dict[str, dict] = {}
+    for t, actor, kind, shard in sorted(events):
+        entry = out.setdefault(actor, {"ready_s": t, "shards": [], "output_tokens": 0})
+        if kind == "ready":
+            entry.update(ready_s=t, shards=[], output_tokens=0)
+        else:
+            entry["shards"].append(shard)
+            entry["output_tokens"] += shard_tokens(shard)
+            entry["last_commit_s"] = t
+    for entry in out.values():
+        if entry["shards"]:
+            entry["window_s"] = entry["last_commit_s"] - entry["ready_s"]
+            entry["output_tok_s"] = entry["output_tokens"] / max(entry["window_s"], 1e-9)
+    return out
 
 
 def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
@@ -425,7 +450,11 @@ def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
     checks["exit_code_0"] = run["returncode"] == 0
     committed = _committed(output)
     tokens = args.rows * args.output_len
+    per_actor = actor_windows(run["actor_events"], lambda shard: args.output_len * max(
+        0, min(args.rows_per_shard, args.rows - shard * args.rows_per_shard)))
     result = {"num_actors": num_actors, "deterministic": deterministic, **run,
+              "per_actor": per_actor,
+              "sum_of_actor_tok_s": sum(a.get("output_tok_s", 0.0) for a in per_actor.values()),
               "output_tokens": tokens,
               "output_tok_s": tokens / max(run["generation_s"], 1e-9),
               "end_to_end_tok_s": tokens / run["end_to_end_s"],
@@ -527,9 +556,9 @@ def main(argv: list[str] | None = None) -> dict:
             if args.repeats > 1:
                 median["checks"]["every_repeat"] = all(
                     all(run["checks"].values()) for run, _ in runs)
-                median["repeats"] = [{k: run[k] for k in ("output_tok_s", "generation_s",
-                                                          "end_to_end_s", "ready_skew_s")}
-                                     for run, _ in runs]
+                median["repeats"] = [{k: run[k] for k in (
+                    "output_tok_s", "generation_s", "end_to_end_s", "ready_skew_s",
+                    "sum_of_actor_tok_s")} for run, _ in runs]
             return median, table
 
         log("building the model and running the bare engine (child process)")
@@ -556,6 +585,8 @@ def main(argv: list[str] | None = None) -> dict:
             jobs["2_actors"], t2 = repeated("2_actors", 2)
             two = jobs["2_actors"]
             two["ratio_vs_1_actor"] = two["output_tok_s"] / jobs["1_actor"]["output_tok_s"]
+            two["sum_of_actors_ratio_vs_1_actor"] = (two["sum_of_actor_tok_s"]
+                                                     / jobs["1_actor"]["sum_of_actor_tok_s"])
             two["end_to_end_ratio_vs_1_actor"] = (jobs["1_actor"]["end_to_end_s"]
                                                   / two["end_to_end_s"])
             if deterministic and t1 is not None and t2 is not None:
@@ -599,6 +630,12 @@ def print_summary(report: dict) -> None:
         print("  rows above are the median runs; every run's out tok/s: " + "; ".join(
             f"{name} " + ", ".join(f"{v:,.0f}" for v in values)
             for name, values in samples.items()))
+    two = jobs.get("2_actors", {})
+    if two.get("sum_of_actors_ratio_vs_1_actor") is not None:
+        print(f"  2 actors, each from its own ready to its last commit: "
+              f"{two['sum_of_actor_tok_s']:,.0f} out tok/s together "
+              f"({two['sum_of_actors_ratio_vs_1_actor']:.2f}x one actor so measured); "
+              f"ready skew {two['ready_skew_s']:.1f} s")
     one = jobs.get("1_actor", {})
     if one.get("token_ids_equal_bare") is not None:
         print(f"  1-actor rows with token ids equal to the bare engine's: "

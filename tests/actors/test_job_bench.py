@@ -49,6 +49,10 @@ def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_pat
     assert bare["output_tok_s"] == min(samples["bare"])
     assert jobs["1_actor"]["output_tok_s"] == min(samples["1_actor"])
     assert jobs["1_actor"]["checks"]["every_repeat"] and len(jobs["2_actors"]["repeats"]) == 2
+    for name, job in jobs.items():  # every shard is counted once, by the actor that wrote it
+        shards = sorted(i for a in job["per_actor"].values() for i in a["shards"])
+        assert shards == [0, 1, 2, 3] or name == "2_actors_kill", (name, job["per_actor"])
+    assert jobs["2_actors"]["sum_of_actor_tok_s"] > 0
     assert jobs["1_actor"]["token_ids_equal_bare"] == 1.0  # float32 on CPU: no near-ties
     assert "all checks passed" in capsys.readouterr().out
 
@@ -66,3 +70,15 @@ def test_input_rows_mix_params_and_fit_the_output_schema(job_bench, tmp_path):
     assert sum(p["seed"] is not None for p in params) == 6
     assert all(len(ids) == 8 for ids in table.column("prompt_token_ids").to_pylist())
     assert job_bench.expected_schema().names[-1] == "group"
+
+
+def test_actor_windows_count_each_actor_from_its_own_start(job_bench):
+    events = [(1.0, "actor-0", "ready", -1), (2.0, "actor-1", "ready", -1),
+              (3.0, "actor-0", "shard", 0), (4.5, "actor-1", "shard", 2),
+              (4.0, "actor-0", "shard", 1),
+              (5.0, "actor-1", "ready", -1), (7.0, "actor-1", "shard", 3)]  # restarted
+    windows = job_bench.actor_windows(events, lambda shard: 100 * (shard + 1))
+    assert windows["actor-0"] == {"ready_s": 1.0, "shards": [0, 1], "output_tokens": 300,
+                                  "last_commit_s": 4.0, "window_s": 3.0, "output_tok_s": 100.0}
+    assert windows["actor-1"]["shards"] == [3] and windows["actor-1"]["window_s"] == 2.0
+    assert windows["actor-1"]["output_tok_s"] == 200.0
