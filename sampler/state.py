@@ -96,6 +96,7 @@ class SamplerState:
         self.is_greedy = torch.zeros(s, dtype=torch.bool, device=device)
         self.has_allowed = torch.zeros(s, dtype=torch.bool, device=device)
         self.positions = torch.zeros(s, dtype=torch.int64, device=device)
+        self._ones = torch.ones(s, dtype=torch.int64, device=device)  # increments of a step
         # host-mirrored small tables: stop ids, logit bias, bad words
         self.stop_ids_host = np.full((s, max(1, len(self.eos_token_ids))), -1, dtype=np.int64)
         self.bias_ids_host = np.zeros((s, 1), dtype=np.int64)
@@ -307,12 +308,14 @@ class SamplerState:
             token_ids: ``[rows]`` int64 sampled ids.
             rows_host: the same slots as a host array when known (keeps ``pos_host`` exact).
         """
-        self.positions.index_add_(0, idx_mapping, torch.ones_like(idx_mapping))
+        n = idx_mapping.shape[0]
+        ones = self._ones[:n] if n <= self._ones.shape[0] else torch.ones_like(idx_mapping)
+        self.positions.index_add_(0, idx_mapping, ones)
         if self.output_counts is not None:
-            ones = torch.ones(token_ids.shape, dtype=torch.int32, device=token_ids.device)
-            self.output_counts.index_put_((idx_mapping, token_ids), ones, accumulate=True)
+            self.output_counts.index_put_((idx_mapping, token_ids), ones.to(torch.int32),
+                                          accumulate=True)
             words = token_ids >> 5  # slots are distinct, so (slot, word) pairs are too
-            bit = (torch.ones_like(token_ids) << (token_ids & 31)).to(torch.int32)
+            bit = (ones << (token_ids & 31)).to(torch.int32)
             self.penalty_bits.index_put_(
                 (idx_mapping, words), self.penalty_bits[idx_mapping, words] | bit)
         if self.recent_tokens is not None:

@@ -110,18 +110,31 @@ def compute_bad_word_bans(idx_mapping: torch.Tensor, state) -> torch.Tensor:
     return torch.where(matched, last, -1).contiguous()
 
 
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-element zero tensor standing for a table that the launched specialisation never
+    reads or writes (made once per device and dtype: no fill kernel per step)."""
+    key = (device, dtype)
+    tensor = _PLACEHOLDERS.get(key)
+    if tensor is None:
+        tensor = _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return tensor
+
+
 def kernel_tables(state, plan: StepPlan, idx_mapping: torch.Tensor,
                   bans: torch.Tensor | None = None) -> KernelTables:
     """Collects the state's tables for a launch (no copies of the large tables)."""
     dev = idx_mapping.device
-    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    i64 = placeholder(dev, torch.int64)
     if plan.do_penalties:
         pbits, counts = state.penalty_bits, state.output_counts
         pmask = state.prompt_mask.view(torch.uint8)
     else:
-        pbits = torch.zeros(1, dtype=torch.int32, device=dev)
+        pbits = placeholder(dev, torch.int32)
         counts = pbits
-        pmask = torch.zeros(1, dtype=torch.uint8, device=dev)
+        pmask = placeholder(dev, torch.uint8)
     if plan.do_bad_words and bans is None:
         bans = compute_bad_word_bans(idx_mapping, state)
     if not plan.do_bad_words:
@@ -199,7 +212,9 @@ def run_pipeline_triton(
     topk_vals = torch.empty(rows, kout, dtype=torch.float32, device=dev)
     cfg = launch_config(vocab)
     cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
-    counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
+    # candidate-list counters: only the selection and top-k logprob passes use them
+    counters = (torch.zeros(rows, 2, dtype=torch.int32, device=dev)
+                if plan.do_top_k or plan.do_top_p or k > 0 else placeholder(dev, torch.int32))
     thr = thresholds if thresholds is not None else torch.empty(rows, dtype=torch.float32,
                                                                  device=dev)
     if rows == 0:
