@@ -339,7 +339,6 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
                             cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     events: dict[str, float] = {}
-    ready: list[float] = []
     actor_events: list[tuple[float, str, str, int]] = []  # (time, actor, "ready"|"shard", id)
     lines: list[str] = []
 
@@ -350,7 +349,6 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             lines.append(line.rstrip("\n"))
             print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
             if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
-                ready.append(now)
                 actor_events.append((now, m.group(1), "ready", -1))
             elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
                 actor_events.append((now, m.group(2), "shard", int(m.group(1))))
@@ -382,6 +380,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     reader.join(timeout=10)
     ended = time.time()
     finished = events.get("finished", ended)
+    ready = [t for t, _, kind, _ in actor_events if kind == "ready"]
     first_ready = min(ready) if ready else started
     return {"returncode": rc, "end_to_end_s": ended - started,
             "start_to_first_ready_s": first_ready - started,

@@ -308,8 +308,7 @@ class SamplerState:
             token_ids: ``[rows]`` int64 sampled ids.
             rows_host: the same slots as a host array when known (keeps ``pos_host`` exact).
         """
-        n = idx_mapping.shape[0]
-        ones = self._ones[:n] if n <= self._ones.shape[0] else torch.ones_like(idx_mapping)
+        ones = self._ones[:idx_mapping.shape[0]]  # distinct slots: at most max_num_seqs rows
         self.positions.index_add_(0, idx_mapping, ones)
         if self.output_counts is not None:
             self.output_counts.index_put_((idx_mapping, token_ids), ones.to(torch.int32),

@@ -229,9 +229,8 @@ def run_pipeline_triton(
     head = (logits, logits.stride(0), vocab, t.W, idx_mapping, state.fparams,
             state.fparams.stride(0), state.iparams, state.iparams.stride(0), state.positions)
     nchunk = 1
-    part = torch.empty(1, dtype=torch.float32, device=dev)
-    part_i = torch.empty(1, dtype=torch.int32, device=dev)
-    done = part_i
+    part = placeholder(dev, torch.float32)  # read only with SPLIT / HAS_DONE, set below
+    part_i = done = placeholder(dev, torch.int32)
     chunked = cfg.chunked
     if chunked:
         nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
