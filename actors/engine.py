@@ -241,19 +241,23 @@ class Engine:
         ranks = host.ranks.tolist() if host.ranks is not None else None
         extra = step.token_logprobs.get().token_ids.tolist() \
             if step.token_logprobs is not None else None
-        top_ids, top_values = host.topk_ids, host.topk_values
         outputs, pending_pos, finished = self.outputs, step.pending_pos, SeqStatus.FINISHED
+        lp_seqs, lp_rows, done = [], [], []
         for row, seq in enumerate(step.sample_seqs):
             if seq.status is finished:
                 continue  # finished by the previous step (or aborted): this token is dropped
             if seq.raw_logprobs is not None:
                 outputs.record_token_logprobs(seq, *extra[row])
             if seq.logprobs is not None:
-                outputs.record_logprobs(seq, values[row], ranks[row],
-                                        None if top_ids is None else top_ids[row],
-                                        None if top_values is None else top_values[row])
+                lp_seqs.append(seq)
+                lp_rows.append(row)
             if outputs.append_token(seq, tokens[row], pending_pos[row]):
-                self._ready.append(self._finish(seq))
+                done.append(seq)
+        if lp_seqs:
+            outputs.record_logprobs(lp_seqs, lp_rows, values, ranks, host.topk_ids,
+                                    host.topk_values)
+        for seq in done:  # after the logprobs: a finished sequence's output is built now
+            self._ready.append(self._finish(seq))
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,

@@ -64,7 +64,7 @@ class StepExecutor:
         """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids."""
         timer = self.timer
         if timer is not None:
-            timer.begin_step(sched.num_tokens, len(sched.chunks))
+            timer.begin_step(sched.num_tokens, len(sched.seqs))
         inputs = self.runner.prepare(sched)
         if timer is not None:
             timer.mark("gpu_start")
@@ -113,17 +113,18 @@ class StepExecutor:
                        hidden: torch.Tensor) -> list[PromptScores]:
         """Prompt logprobs of the rows this step computed that score a prompt token."""
         scores = []
-        for i, chunk in enumerate(sched.chunks):
-            request = chunk.seq.request
+        for i in sched.prompt_chunks:  # chunks of a decode never score a prompt token
+            request = sched.seqs[i].request
             params = request.params
             if params.prompt_logprobs is None or request.prompt_scoring_done:
                 continue
-            first = max(chunk.start, request.num_prompt_rows_scored)
-            end = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
+            start = sched.starts[i]
+            first = max(start, request.num_prompt_rows_scored)
+            end = min(start + sched.num_new[i], request.num_prompt_tokens - 1)
             if end <= first:
                 continue
             request.num_prompt_rows_scored = end
-            row0 = int(query_start_loc[i]) + first - chunk.start
+            row0 = int(query_start_loc[i]) + first - start
             # targets go to the device first: no host-side check, no synchronising copy
             targets = self.runner.to_device(
                 np.asarray(request.prompt_token_ids[first + 1:end + 1], np.int64))

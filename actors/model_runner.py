@@ -84,36 +84,38 @@ class ModelRunner:
     # ------------------------------------------------------------------ host side
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Packs the scheduled chunks (numpy; no device work)."""
-        chunks = sched.chunks
-        n = len(chunks)
+        seqs = sched.seqs
+        n = len(seqs)
         bs = self.block_size
-        starts = np.fromiter((c.start for c in chunks), np.int64, n)
-        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
-        cu = np.zeros(n + 1, np.int64)
-        np.cumsum(lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        seqs = [c.seq for c in chunks]
+        starts = np.array(sched.starts, np.int64)
+        num_tokens = sched.num_tokens
         if num_tokens == n:  # one token per chunk (decodes)
-            input_ids = np.fromiter((c.seq.token_ids[c.start] for c in chunks), np.int64, n)
+            input_ids = np.array([s.token_ids[b] for s, b in zip(seqs, sched.starts)], np.int64)
+            lens = np.ones(n, np.int64)
+            cu = np.arange(n + 1, dtype=np.int64)
             seq_of_token = np.arange(n)
             positions = starts
         else:
+            lens = np.array(sched.num_new, np.int64)
+            cu = np.zeros(n + 1, np.int64)
+            np.cumsum(lens, out=cu[1:])
             input_ids = np.fromiter(
                 itertools.chain.from_iterable(
-                    c.seq.token_ids[c.start:c.start + c.num_tokens] for c in chunks),
+                    s.token_ids[b:b + m] for s, b, m in zip(seqs, sched.starts, sched.num_new)),
                 np.int64, num_tokens)
             seq_of_token = np.repeat(np.arange(n), lens)
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
         seq_lens = starts + lens
-        slots = np.fromiter((s.slot for s in seqs), np.int64, n)
-        self.tables.update(slots.tolist(), [s.block_table for s in seqs])
+        slot_list = [s.slot for s in seqs]
+        slots = np.array(slot_list, np.int64)
+        self.tables.update(slot_list, [s.block_table for s in seqs])
         max_blocks = int(-(-seq_lens.max() // bs))
         block_tables = self.tables.gather(slots, max_blocks)
         slot_mapping = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs
                         + positions % bs)
         pending_index = np.flatnonzero(input_ids == PENDING)
         if len(pending_index):  # only a chunk's last token can be pending
-            rows = np.fromiter((s.pending_row for s in seqs), np.int64, n)
+            rows = np.array([s.pending_row for s in seqs], np.int64)
             pending_rows = rows[seq_of_token[pending_index]]
             assert (pending_rows >= 0).all(), "a pending input has no row to gather from"
         else:

@@ -37,19 +37,30 @@ class OutputProcessor:
         if params.logprobs is not None and seq.logprobs is None:
             seq.logprobs, seq.sampled_ranks = [], []
             if params.logprobs != 0:
-                seq.top_logprobs = []
+                seq.top_logprobs, seq.top_blocks = [], []
         if seq.request.token_logprobs and seq.raw_logprobs is None:
             seq.raw_logprobs, seq.temperature_logprobs = [], []
 
     # ------------------------------------------------------------------ per token
-    def record_logprobs(self, seq: Sequence, value: float, rank: int,
-                        top_ids: np.ndarray | None, top_values: np.ndarray | None) -> None:
-        """Appends one step's sampled-token value, rank and top-k to the sequence."""
-        seq.logprobs.append(value)
-        seq.sampled_ranks.append(rank)
-        if seq.top_logprobs is not None:  # copies: a view would keep the step's pinned
-            k = self._top_k(seq)           # host buffer alive as long as the sequence
-            seq.top_logprobs.append((top_ids[:k].copy(), top_values[:k].copy()))
+    def record_logprobs(self, seqs: list[Sequence], rows: list[int], values: list[float],
+                        ranks: list[int], top_ids: np.ndarray | None,
+                        top_values: np.ndarray | None) -> None:
+        """Appends one step's sampled-token value, rank and top-k to each of ``seqs`` (the
+        sequences of the step's ``rows`` that asked for logprobs). The top-k rows are copied
+        once per step into a block the sequences share: the step's pinned host buffer is not
+        kept alive, and no array is made per sequence."""
+        tops, top_rows = [], []
+        for seq, row in zip(seqs, rows):
+            seq.logprobs.append(values[row])
+            seq.sampled_ranks.append(ranks[row])
+            if seq.top_logprobs is not None:
+                tops.append(seq)
+                top_rows.append(row)
+        if tops:
+            block = (top_ids[top_rows], top_values[top_rows])
+            for j, seq in enumerate(tops):
+                seq.top_blocks.append(block)
+                seq.top_logprobs.append(j)
 
     def _top_k(self, seq: Sequence) -> int:
         k = seq.request.params.logprobs
@@ -107,7 +118,7 @@ class OutputProcessor:
             del seq.token_ids[seq.token_ids.index(PENDING):]
         seq.num_pending = 0
         n_out = seq.num_output_tokens
-        for name in ("logprobs", "sampled_ranks", "top_logprobs", "raw_logprobs",
+        for name in ("logprobs", "sampled_ranks", "top_logprobs", "top_blocks", "raw_logprobs",
                      "temperature_logprobs"):
             values = getattr(seq, name)
             if values is not None:
@@ -129,7 +140,7 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
             top_logprobs=None if seq.top_logprobs is None
-            else TopLogprobs.from_steps(seq.top_logprobs, self._top_k(seq)),
+            else TopLogprobs.from_blocks(seq.top_blocks, seq.top_logprobs, self._top_k(seq)),
             sampled_ranks=seq.sampled_ranks,
             prompt_logprobs=list(request.prompt_logprobs)
             if request.prompt_logprobs is not None else None,

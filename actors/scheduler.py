@@ -37,10 +37,16 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's work. ``sample_seqs[r]`` samples from the last row of
-    ``chunks[sample_chunks[r]]`` (forked samples share their parent's row)."""
+    """One step's work: chunk ``i`` is ``num_new[i]`` tokens of ``seqs[i]`` from position
+    ``starts[i]`` (parallel lists: no object per chunk on the per-step path; ``chunks`` builds
+    :class:`ScheduledChunk` views). ``sample_seqs[r]`` samples from the last row of chunk
+    ``sample_chunks[r]`` (forked samples share their parent's row). ``prompt_chunks``: the
+    chunks that start inside their prompt (only those can score prompt tokens)."""
 
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    prompt_chunks: list[int] = field(default_factory=list)
     sample_seqs: list[Sequence] = field(default_factory=list)
     sample_chunks: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)   # got a sampler slot this step
@@ -52,7 +58,20 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.seqs
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return [ScheduledChunk(*c) for c in zip(self.seqs, self.starts, self.num_new)]
+
+    def add_chunk(self, seq: Sequence, start: int, num_new: int) -> int:
+        """Appends a chunk; returns its index."""
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.num_new.append(num_new)
+        self.scheduled_ids.add(seq.seq_id)
+        self.num_tokens += num_new
+        return len(self.seqs) - 1
 
 
 @dataclass(slots=True)
@@ -128,7 +147,7 @@ class Scheduler:
             self._schedule_running(prefills[:1], budget, out)
         elif self.waiting:
             self._admit(budget, out, limit=1)
-        if not out.chunks and not out.preempted:
+        if not out.seqs and not out.preempted:
             self._schedule_running(decodes, budget, out)
         self.stats.num_steps += 1
         return out
@@ -139,37 +158,40 @@ class Scheduler:
         bm, bs, max_len = self.bm, self.block_size, self.max_model_len
         running = SeqStatus.RUNNING
         prefix_caching = bm.enable_prefix_caching
-        chunks, scheduled = out.chunks, out.scheduled_ids
+        seqs_out, starts, nums = out.seqs, out.starts, out.num_new
+        scheduled = out.scheduled_ids
         sample_seqs, sample_chunks = out.sample_seqs, out.sample_chunks
+        num_tokens_out = out.num_tokens
         for seq in seqs:  # inlined per-sequence checks:
             if budget == 0:                              # this loop runs for every running
                 break                                    # sequence at every step
             if seq.status is not running:
                 continue
             num_tokens = len(seq.token_ids)
-            request = seq.request
-            max_tokens = request.params.max_tokens
-            num_prompt = len(request.prompt_token_ids)
-            if num_tokens >= max_len or (max_tokens is not None
-                                         and num_tokens - num_prompt >= max_tokens):
+            if num_tokens >= max_len or num_tokens >= seq.max_num_tokens:
                 continue  # is_generation_done
             start = seq.num_computed_tokens
-            num_new = min(num_tokens - start, budget)
+            num_new = num_tokens - start
+            if num_new > budget:
+                num_new = budget
             after = start + num_new
             need = -(-after // bs) - len(seq.block_table)
-            if need <= 0 and start >= num_prompt and seq.fanout == 1 and not (
+            if need <= 0 and start >= seq.num_prompt and seq.fanout == 1 and not (
                     prefix_caching and self._blocks_to_register(seq, after)):
                 # the common decode chunk: no pages, no prompt rows, no fork, no new full
                 # block (what _schedule_chunk does for it, inlined)
                 seq.num_computed_tokens = after
-                chunks.append(ScheduledChunk(seq, start, num_new))
+                seqs_out.append(seq)
+                starts.append(start)
+                nums.append(num_new)
                 scheduled.add(seq.seq_id)
-                out.num_tokens += num_new
+                num_tokens_out += num_new
                 budget -= num_new
                 if after == num_tokens:
-                    sample_chunks.append(len(chunks) - 1)
+                    sample_chunks.append(len(seqs_out) - 1)
                     sample_seqs.append(seq)
                 continue
+            out.num_tokens = num_tokens_out
             if seq.fanout > 1:
                 need += self._fork_pages(seq, after)
             if need > bm.num_free_blocks:
@@ -183,7 +205,9 @@ class Scheduler:
                 if seq.status is not running or need > bm.num_free_blocks:
                     continue
             self._schedule_chunk(seq, num_new, need, out)
+            num_tokens_out = out.num_tokens
             budget -= num_new
+        out.num_tokens = num_tokens_out
         return budget
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence | None:
@@ -240,16 +264,14 @@ class Scheduler:
         if need > fork_pages:
             seq.block_table.extend(self.bm.allocate(need - fork_pages))
         seq.num_computed_tokens = after
-        out.chunks.append(ScheduledChunk(seq, start, num_new))
-        out.scheduled_ids.add(seq.seq_id)
-        out.num_tokens += num_new
-        num_prompt = len(seq.request.prompt_token_ids)
+        chunk_idx = out.add_chunk(seq, start, num_new)
+        num_prompt = seq.num_prompt
         if start < num_prompt:
+            out.prompt_chunks.append(chunk_idx)
             self.stats.num_prompt_tokens_computed += min(after, num_prompt) - start
         if self.bm.enable_prefix_caching and self._blocks_to_register(seq, after):
             self._register_blocks(seq)
         if after == len(seq.token_ids):  # the chunk reaches the end: its last row samples
-            chunk_idx = len(out.chunks) - 1
             out.sample_seqs.append(seq)
             out.sample_chunks.append(chunk_idx)
             if seq.fanout > 1:

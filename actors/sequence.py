@@ -73,13 +73,25 @@ class Sequence:
     # outputs
     logprobs: list[float] | None = None
     sampled_ranks: list[int] | None = None
-    top_logprobs: list[tuple[Any, Any]] | None = None  # per step: (top ids, top values)
+    # per step: this sequence's row in the step's top-k block, and the block (ids and values
+    # [n, kout], shared by the sequences of one step: no copy per sequence)
+    top_logprobs: list[int] | None = None
+    top_blocks: list[tuple[Any, Any]] | None = None
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None
     finish_reason: str | None = None
     stop_reason: str | None = None
     error: str | None = None
+    # fixed at creation, read on the per-step path: prompt length, and the token count at
+    # which max_tokens is reached
+    num_prompt: int = field(init=False)
+    max_num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.request.prompt_token_ids)
+        max_tokens = self.request.params.max_tokens
+        self.max_num_tokens = self.num_prompt + max_tokens if max_tokens is not None else 1 << 62
 
     @property
     def num_tokens(self) -> int:
