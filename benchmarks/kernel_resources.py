@@ -31,6 +31,7 @@ POINTERS = {
     "rec_ptr": "*fp32", "best_ptr": "*i32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
     "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
 }
+ALIGNED_INTS = {"stride_row", "V"}
 MASKS = dict(HAS_PEN=True, HAS_BIAS=True, HAS_STOP=True, HAS_BAN=True, HAS_ALLOWED=True)
 NO_MASKS = {k: False for k in MASKS}
 
@@ -42,10 +43,18 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
     from triton.compiler import ASTSource
 
     names = inspect.signature(kernel.fn).parameters
+    # constexpr parameters left out take their defaults, as at a launch
+    constants = {**{n: p.default for n, p in names.items()
+                    if p.default is not inspect.Parameter.empty and n not in constants},
+                 **constants}
     signature = {n: POINTERS.get(n, "i32") for n in names if n not in constants}
     signature.update({k: "constexpr" for k in constants})
+    # what the launcher specialises on at run time: 16-byte aligned pointers, and row strides
+    # and the vocab size divisible by 16 (151,936 and 128,256 are; 32,000 is too)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n in signature and (signature[n].startswith("*") or n in ALIGNED_INTS)}
     compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constants),
+        ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "enable_fp_fusion": False})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -93,13 +93,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gpu_time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> list[float]:
-    """Device time of ``fn`` per call (CUDA events; the stream is kept busy by a sleep so the
-    host's enqueue time is hidden)."""
+def _gpu_time_ms(fn: Callable[[], object], iters: int, device: torch.device,
+                 ahead_ms: float = 1.0) -> list[float]:
+    """Device time of ``fn`` per call (CUDA events; the stream is kept busy by a sleep of
+    about ``ahead_ms`` so the host's enqueue time is hidden: pass more than the host time of
+    ``fn``)."""
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work queued ahead of the step
+        torch.cuda._sleep(int(2_000_000 * ahead_ms))  # ~2e6 cycles a millisecond
         start.record()
         fn()
         end.record()
@@ -143,7 +145,8 @@ def _triton_variant(name: str) -> None:
     of empty tiles in the sampling pass, s = the exact selection passes always (no
     draw-then-verify), c = the chunked pipeline first (``sampler.kernels.chunked``; the
     fused kernel takes the rows it leaves), pSPLIT = pass 1 as a separate kernel over vocab chunks of
-    SPLIT tokens, vVEC = tokens per thread and tile row."""
+    SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES = row-pass loops software-pipelined
+    STAGES deep."""
     import re
 
     if name.startswith("triton"):
@@ -151,7 +154,8 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfsc]*)(?:p(\d+))?(?:v(\d+))?", spec)
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfsc]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?",
+                             spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
@@ -162,6 +166,8 @@ def _triton_variant(name: str) -> None:
                 kw["split"] = int(m[5])
             if m[6]:
                 kw["vec"] = int(m[6])
+            if m[7]:
+                kw["stages"] = int(m[7])
             set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)
@@ -206,7 +212,9 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
             work.copy_(source)
             return sampler.sample(work, slots)
         copy = _gpu_time_ms(lambda: work.copy_(source), iters, device)
-        gpu = _gpu_time_ms(step, iters, device)
+        # the queued sleep outlasts the step's host time (its median above, reading back
+        # included) three times over: no launch gap inside the measured step
+        gpu = _gpu_time_ms(step, iters, device, ahead_ms=max(1.0, 3 * record["median_ms"]))
         record["gpu_ms"] = statistics.median(gpu) - statistics.median(copy)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

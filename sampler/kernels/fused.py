@@ -100,7 +100,7 @@ def _stats_range(
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-    ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr,
+    ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
     log-sum-exp accumulators of the raw values and of raw / T."""
@@ -113,7 +113,7 @@ def _stats_range(
     acc_lr = tl.zeros([R], dtype=tl.float32)
     acc_mt = tl.full([R], NEG, tl.float32)
     acc_lt = tl.zeros([R], dtype=tl.float32)
-    for start in range(lo, hi, R * VEC):
+    for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
         offs, vmask, raw, x = _tile(
             base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
             row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
@@ -236,7 +236,7 @@ def _scan(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
-    SKIP: tl.constexpr = True,
+    SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1,
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
     Gumbel-max
@@ -256,7 +256,7 @@ def _scan(
     acc_g = tl.zeros([R], dtype=tl.float32)
     acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK):
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs, vmask, raw, x = _tile(
             base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
@@ -305,7 +305,7 @@ def _draw_then_verify(
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-    ROUNDS: tl.constexpr,
+    ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
     then a pass that decides whether ``x`` is in the kept set.
@@ -328,14 +328,14 @@ def _draw_then_verify(
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-        DRAW=True, COUNT=False, MASS=False, TOTAL=False)
+        DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-        DRAW=False, COUNT=True, MASS=True, TOTAL=True)
+        DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES)
     known_z = (not k_on) | (n_valid <= top_k)
     ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
     if known_z & (s_x > NEG) & (not ok):
@@ -345,7 +345,7 @@ def _draw_then_verify(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-            DRAW=True, COUNT=False, MASS=False, TOTAL=False)
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
         rounds = 0
         while (not ok) & (rounds < ROUNDS):
             nxt, s_nxt, n_gt, m_gt, _n, _z, _b = _scan(
@@ -354,7 +354,7 @@ def _draw_then_verify(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-                DRAW=True, COUNT=True, MASS=True, TOTAL=False)
+                DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES)
             ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
             if not ok:
                 tok = nxt
@@ -387,7 +387,7 @@ def _fused_sampler_kernel(
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
-    FAST: tl.constexpr, HAS_DONE: tl.constexpr,
+    FAST: tl.constexpr, HAS_DONE: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -436,7 +436,8 @@ def _fused_sampler_kernel(
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM)
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+            STAGES=STAGES)
     best_v, best_i = _best(acc_bv, acc_bi)
     m_s = tl.max(acc_ms, 0)
     m_r = tl.max(acc_mr, 0)
@@ -457,7 +458,8 @@ def _fused_sampler_kernel(
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
-                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6)
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
+                STAGES=STAGES)
 
     # ---------------------------------------------------------------- selection state machines
     v_k = NEG
@@ -689,7 +691,7 @@ def _fused_sampler_kernel(
                     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                     ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-                    DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP)
+                    DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 
@@ -739,6 +741,7 @@ def _stats_kernel(
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
+    STAGES: tl.constexpr = 1,
 ):
     """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
     batches still spread the first read of the logits over the whole GPU. Writes per-chunk
@@ -765,7 +768,8 @@ def _stats_kernel(
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM)
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+        STAGES=STAGES)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)
     mt, lt = _lse_pair(acc_mt, acc_lt)
