@@ -192,18 +192,39 @@ class _ParamsReader:
 
     def read(self, i: int, row_id: Any) -> SamplingParams:
         raw = None if self.column is None else self.cells.get(self.column, i, "sampling_params")
-        if raw is None or isinstance(raw, str):
-            params = self._seen.get(raw)
-            if params is None:
-                params = self._seen[raw] = self._coerce(raw)
-        else:
+        seed = None
+        if isinstance(raw, dict) and raw.get("seed") is not None:
+            # a per-row seed: the rest of the row's params is validated once, the seed alone
+            seed = raw["seed"]
+            raw = {k: v for k, v in raw.items() if k != "seed"}
+        key = _frozen(raw)
+        params = None if key is None else self._seen.get(key)
+        if params is None:
             params = self._coerce(raw)
+            if key is not None:
+                self._seen[key] = params
+        if seed is not None:
+            params = params.with_seed(seed)
         if params.seed is None:  # the job's seed rule for unseeded rows
             from sampler import derive_seed
 
             params = copy.copy(params)  # validated already; derive_seed is in range
             params.seed = derive_seed(self.task.seed, row_id)
         return params
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable form of a params cell (None, JSON text, or a struct row as dicts and lists
+    of plain values), or None when it has none. Equal forms validate to equal params."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return (type(value).__name__, value)
+    if isinstance(value, dict):
+        items = tuple((k, _frozen(v)) for k, v in value.items())
+        return None if any(v is None for _, v in items) else ("dict", items)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_frozen(v) for v in value)
+        return None if any(v is None for v in items) else (type(value).__name__, items)
+    return None
 
 
 def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],

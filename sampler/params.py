@@ -7,6 +7,8 @@ values usually come from data files, where a type error is a data error).
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import json
 import math
@@ -249,6 +251,17 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
         self.bad_words = _as_str_list("bad_words", self.bad_words or [])
+
+    def with_seed(self, seed: Any) -> SamplingParams:
+        """A copy with ``seed`` set, validated as the constructor validates it (-1: no seed)."""
+        seed = _as_int("seed", seed)
+        if seed == -1:
+            seed = None
+        elif not 0 <= seed <= _SEED_MAX:
+            raise _fail("seed", f"must be None, -1 or in [0, {_SEED_MAX}]", seed)
+        params = copy.copy(self)
+        params.seed = seed
+        return params
 
     # ------------------------------------------------------------------ derived flags
     @property
