@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
+import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +33,7 @@ class GenerationActor:
 
     def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None):
         started = time.perf_counter()
+        bytecode = cache_bytecode() if _in_ray_actor() else None
         from actors.engine import Engine
 
         imported = time.perf_counter()
@@ -49,6 +52,8 @@ class GenerationActor:
         self.startup = {"process_age": age, "engine_import": imported - started,
                         "engine_build": built - imported, "warm_up": warm,
                         **{f"build_{k}": v for k, v in self.engine.startup.items()}}
+        if bytecode is not None:
+            logger.info("GenerationActor: compiled bytecode cached under %s", bytecode)
         logger.info("GenerationActor ready (startup seconds %s): %s", self.startup, self.info())
 
     def startup_report(self) -> dict[str, float | None]:
@@ -140,6 +145,42 @@ def params_per_prompt(params: Any, count: int) -> list:
             raise ValueError(f"params: got {len(params)} entries for {count} prompts")
         return list(params)
     return [params] * count
+
+
+def cache_bytecode() -> str | None:
+    """Lets this process cache the bytecode it compiles when the environment forbids writing
+    it next to the sources (``PYTHONDONTWRITEBYTECODE``, common in container images, several
+    of which also ship torch without ``.pyc`` files): every actor start would otherwise
+    compile torch and transformers from source again. The cache is a separate directory
+    (``sys.pycache_prefix``): ``$RAYGEN_PYCACHE``, default ``<tmp>/raygen-pycache-<uid>``;
+    ``RAYGEN_PYCACHE=off`` leaves the process as it is. Returns the directory in use, or
+    None when nothing changed."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
+        return None
+    path = os.environ.get("RAYGEN_PYCACHE",
+                          os.path.join(tempfile.gettempdir(), f"raygen-pycache-{os.getuid()}"))
+    if path.lower() in ("", "0", "off", "false", "no"):
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(path, os.W_OK):
+        return None
+    sys.pycache_prefix = path  # read by the import system at every later import
+    sys.dont_write_bytecode = False
+    return path
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (a process of its own; not a driver or a test)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    try:
+        return ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - an older or partial Ray: leave the process as it is
+        return False
 
 
 def _process_age_s() -> float | None:

@@ -1,0 +1,62 @@
+"""Actor processes cache compiled bytecode when the environment forbids writing it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from actors.actor import cache_bytecode
+
+
+@pytest.fixture
+def no_bytecode(monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+
+
+def test_a_process_that_may_not_write_bytecode_caches_it_under_the_prefix(no_bytecode, tmp_path,
+                                                                         monkeypatch):
+    target = tmp_path / "cache"
+    monkeypatch.setenv("RAYGEN_PYCACHE", str(target))
+    assert cache_bytecode() == str(target)
+    assert sys.pycache_prefix == str(target) and not sys.dont_write_bytecode
+    assert target.is_dir()
+
+
+def test_off_or_an_existing_choice_leaves_the_process_alone(no_bytecode, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYGEN_PYCACHE", "off")
+    assert cache_bytecode() is None
+    assert sys.dont_write_bytecode and sys.pycache_prefix is None
+    monkeypatch.setenv("RAYGEN_PYCACHE", str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # bytecode is written already
+    assert cache_bytecode() is None and sys.pycache_prefix is None
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", "/elsewhere")  # the user chose a prefix
+    assert cache_bytecode() is None and sys.pycache_prefix == "/elsewhere"
+
+
+def test_later_imports_are_compiled_into_the_cache_and_read_from_it(tmp_path):
+    """In a fresh interpreter started with PYTHONDONTWRITEBYTECODE=1: a module imported after
+    the call leaves its .pyc under the prefix, and the next process imports it from there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cached_mod.py").write_text("VALUE = 41 + 1\n")
+    cache = tmp_path / "cache"
+    code = ("import sys; from actors.actor import cache_bytecode; "
+            f"sys.path.insert(0, {str(src)!r}); print(cache_bytecode()); "
+            "import cached_mod; print(cached_mod.VALUE, cached_mod.__cached__)")
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "RAYGEN_PYCACHE": str(cache),
+           "PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2]),
+           "PATH": "/usr/bin:/bin"}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert first[0] == str(cache) and first[1] == "42"
+    pyc = list(cache.rglob("cached_mod*.pyc"))
+    assert len(pyc) == 1 and first[2] == str(pyc[0])
+    assert not (src / "__pycache__").exists()
+    stamp = pyc[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert second[1] == "42" and pyc[0].stat().st_mtime_ns == stamp  # read, not rewritten
