@@ -178,14 +178,14 @@ class Engine:
                 num_prompt_tokens=request.num_prompt_tokens, seed=request.seed))
         self._requests.pop(request_id, None)
 
-    def _finish(self, seq: Sequence) -> GenerationOutput:
+    def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
         for slot in self.scheduler.finish(seq):
             self.sampler.remove_request(slot)
         request = seq.request
         request.num_unfinished -= 1
         if request.num_unfinished <= 0:
             self._requests.pop(request.request_id, None)
-        return self.outputs.build(seq)
+        return self.outputs.build(seq, top)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
@@ -256,8 +256,10 @@ class Engine:
         if lp_seqs:
             outputs.record_logprobs(lp_seqs, lp_rows, values, ranks, host.topk_ids,
                                     host.topk_values)
-        for seq in done:  # after the logprobs: a finished sequence's output is built now
-            self._ready.append(self._finish(seq))
+        if done:  # after the logprobs: a finished sequence's output is built now
+            tops = outputs.top_logprobs_of(done) if len(done) > 1 else {}
+            for seq in done:
+                self._ready.append(self._finish(seq, tops.get(id(seq))))
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,

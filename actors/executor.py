@@ -76,10 +76,11 @@ class StepExecutor:
             logits = runner.compute_logits(hidden[runner.sample_rows])
             if runner.sample_inverse is not None:  # forked samples share their parent's row
                 logits = logits[runner.sample_inverse]
-            slots = [seq.slot for seq in sched.sample_seqs]
+            sample_seqs = sched.sample_seqs
+            slots = [seq.slot for seq in sample_seqs]
             if timer is not None:
                 timer.mark("sample")
-            wants_extra = any(seq.request.token_logprobs for seq in sched.sample_seqs)
+            wants_extra = any([seq.request.token_logprobs for seq in sample_seqs])
             # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
             # backend's fallback): keep the raw ones for the extra logprobs
             raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
@@ -89,13 +90,16 @@ class StepExecutor:
             step.output = AsyncOutput(out)
             step.token_ids = out.token_ids
             pending_pos = step.pending_pos
-            for row, seq in enumerate(sched.sample_seqs):
+            append = pending_pos.append
+            row = 0
+            for seq in sample_seqs:
                 tokens = seq.token_ids
+                append(len(tokens))
                 tokens.append(PENDING)
                 seq.num_pending += 1
                 seq.pending_row = row
-                pending_pos.append(len(tokens) - 1)
-            step.sample_seqs = list(sched.sample_seqs)
+                row += 1
+            step.sample_seqs = list(sample_seqs)
         if timer is not None:
             timer.end_step()
         return step

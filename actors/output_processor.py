@@ -80,7 +80,7 @@ class OutputProcessor:
         seq.num_pending -= 1
         request = seq.request
         params = request.params
-        num_out = pos + 1 - request.num_prompt_tokens
+        num_out = pos + 1 - seq.num_prompt
         detok = seq.detok
         stop_allowed = num_out >= params.min_tokens
         if stop_allowed and token_id in request.stop_token_ids:
@@ -98,8 +98,7 @@ class OutputProcessor:
                 if hit is not None:
                     detok.text = detok.text[:hit[1]]
                     return self._finish(seq, pos, "stop", hit[0])
-        if (params.max_tokens is not None and num_out >= params.max_tokens) \
-                or pos + 1 >= self.max_model_len:
+        if pos + 1 >= seq.max_num_tokens or pos + 1 >= self.max_model_len:  # max_tokens
             if detok is not None:
                 detok.flush()
             return self._finish(seq, pos, "length", None)
@@ -128,8 +127,36 @@ class OutputProcessor:
         seq.finish_reason, seq.stop_reason = "abort", None
 
     # ------------------------------------------------------------------ outputs
-    def build(self, seq: Sequence) -> GenerationOutput:
-        """The output row of a finished sequence."""
+    def top_logprobs_of(self, seqs: list[Sequence]) -> dict[int, TopLogprobs]:
+        """The top logprobs of finished sequences that sampled in exactly the same steps (a
+        wave of rows finishing together), keyed by ``id(seq)``: gathered one step at a time
+        for the whole group instead of one step at a time per sequence. Sequences alone in
+        their group are left to :meth:`build`."""
+        groups: dict[tuple[int, int, int], list[Sequence]] = {}
+        for seq in seqs:
+            blocks = seq.top_blocks
+            if seq.top_logprobs is None or not blocks:
+                continue
+            # one block per step sampled, so equal first and last blocks and an equal count
+            # mean the same steps (a preempted sequence misses steps: its count differs)
+            groups.setdefault((id(blocks[0]), id(blocks[-1]), len(blocks)), []).append(seq)
+        tops: dict[int, TopLogprobs] = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            ks = [self._top_k(m) for m in members]
+            k = max(ks)
+            rows = np.array([m.top_logprobs for m in members], np.int64)  # [members, steps]
+            blocks = members[0].top_blocks
+            ids = np.stack([b[0][rows[:, t], :k] for t, b in enumerate(blocks)], axis=1)
+            values = np.stack([b[1][rows[:, t], :k] for t, b in enumerate(blocks)], axis=1)
+            for i, (m, km) in enumerate(zip(members, ks)):
+                tops[id(m)] = TopLogprobs(ids[i, :, :km], values[i, :, :km])
+        return tops
+
+    def build(self, seq: Sequence, top: TopLogprobs | None = None) -> GenerationOutput:
+        """The output row of a finished sequence (``top``: its top logprobs when gathered
+        already, :meth:`top_logprobs_of`)."""
         request = seq.request
         return GenerationOutput(
             id=request.request_id,
@@ -139,7 +166,7 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            top_logprobs=None if seq.top_logprobs is None
+            top_logprobs=top if top is not None else None if seq.top_logprobs is None
             else TopLogprobs.from_blocks(seq.top_blocks, seq.top_logprobs, self._top_k(seq)),
             sampled_ranks=seq.sampled_ranks,
             prompt_logprobs=list(request.prompt_logprobs)
