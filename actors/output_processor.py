@@ -37,7 +37,7 @@ class OutputProcessor:
         if params.logprobs is not None and seq.logprobs is None:
             seq.logprobs, seq.sampled_ranks = [], []
             if params.logprobs != 0:
-                seq.top_logprobs, seq.top_blocks = [], []
+                seq.top_rows, seq.top_blocks = [], []
         if seq.request.token_logprobs and seq.raw_logprobs is None:
             seq.raw_logprobs, seq.temperature_logprobs = [], []
 
@@ -53,14 +53,14 @@ class OutputProcessor:
         for seq, row in zip(seqs, rows):
             seq.logprobs.append(values[row])
             seq.sampled_ranks.append(ranks[row])
-            if seq.top_logprobs is not None:
+            if seq.top_rows is not None:
                 tops.append(seq)
                 top_rows.append(row)
         if tops:
             block = (top_ids[top_rows], top_values[top_rows])
             for j, seq in enumerate(tops):
                 seq.top_blocks.append(block)
-                seq.top_logprobs.append(j)
+                seq.top_rows.append(j)
 
     def _top_k(self, seq: Sequence) -> int:
         k = seq.request.params.logprobs
@@ -117,7 +117,7 @@ class OutputProcessor:
             del seq.token_ids[seq.token_ids.index(PENDING):]
         seq.num_pending = 0
         n_out = seq.num_output_tokens
-        for name in ("logprobs", "sampled_ranks", "top_logprobs", "top_blocks", "raw_logprobs",
+        for name in ("logprobs", "sampled_ranks", "top_rows", "top_blocks", "raw_logprobs",
                      "temperature_logprobs"):
             values = getattr(seq, name)
             if values is not None:
@@ -135,7 +135,7 @@ class OutputProcessor:
         groups: dict[tuple[int, int, int], list[Sequence]] = {}
         for seq in seqs:
             blocks = seq.top_blocks
-            if seq.top_logprobs is None or not blocks:
+            if seq.top_rows is None or not blocks:
                 continue
             # one block per step sampled, so equal first and last blocks and an equal count
             # mean the same steps (a preempted sequence misses steps: its count differs)
@@ -146,7 +146,7 @@ class OutputProcessor:
                 continue
             ks = [self._top_k(m) for m in members]
             k = max(ks)
-            rows = np.array([m.top_logprobs for m in members], np.int64)  # [members, steps]
+            rows = np.array([m.top_rows for m in members], np.int64)  # [members, steps]
             blocks = members[0].top_blocks
             ids = np.stack([b[0][rows[:, t], :k] for t, b in enumerate(blocks)], axis=1)
             values = np.stack([b[1][rows[:, t], :k] for t, b in enumerate(blocks)], axis=1)
@@ -166,8 +166,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            top_logprobs=top if top is not None else None if seq.top_logprobs is None
-            else TopLogprobs.from_blocks(seq.top_blocks, seq.top_logprobs, self._top_k(seq)),
+            top_logprobs=top if top is not None else None if seq.top_rows is None
+            else TopLogprobs.from_blocks(seq.top_blocks, seq.top_rows, self._top_k(seq)),
             sampled_ranks=seq.sampled_ranks,
             prompt_logprobs=list(request.prompt_logprobs)
             if request.prompt_logprobs is not None else None,

@@ -52,13 +52,6 @@ class TopLogprobs(Sequence):
         self.token_ids, self.logprobs = token_ids, logprobs
 
     @classmethod
-    def from_steps(cls, steps: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> TopLogprobs:
-        """From one (ids, values) pair of length ``k`` per step."""
-        if not steps:
-            return cls(np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
-        return cls(np.stack([i for i, _ in steps]), np.stack([v for _, v in steps]))
-
-    @classmethod
     def from_blocks(cls, blocks: Sequence[tuple[np.ndarray, np.ndarray]], rows: Sequence[int],
                     k: int) -> TopLogprobs:
         """From one step block (ids and values, ``[n, >= k]``) and a row in it per step."""

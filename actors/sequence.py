@@ -75,7 +75,7 @@ class Sequence:
     sampled_ranks: list[int] | None = None
     # per step: this sequence's row in the step's top-k block, and the block (ids and values
     # [n, kout], shared by the sequences of one step: no copy per sequence)
-    top_logprobs: list[int] | None = None
+    top_rows: list[int] | None = None
     top_blocks: list[tuple[Any, Any]] | None = None
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None

@@ -14,7 +14,7 @@ from sampler import SamplingParams
 def _seq(k: int) -> Sequence:
     request = Request("r", [1, 2, 3], SamplingParams(logprobs=k, max_tokens=50), 0, 0)
     seq = Sequence(request, 0, [1, 2, 3])
-    seq.top_logprobs, seq.top_blocks = [], []
+    seq.top_rows, seq.top_blocks = [], []
     return seq
 
 
@@ -32,13 +32,13 @@ def test_group_gather_equals_the_per_sequence_gather():
                  rng.standard_normal((len(members) + 3, width)).astype(np.float32))
         for seq, row in zip(members, rows):
             seq.top_blocks.append(block)
-            seq.top_logprobs.append(int(row))
+            seq.top_rows.append(int(row))
     everyone = wave + late + [alone]
     tops = processor.top_logprobs_of(everyone)
     assert set(tops) == {id(s) for s in wave + late}
     for seq in everyone:
         k = seq.request.params.logprobs
-        expected = TopLogprobs.from_blocks(seq.top_blocks, seq.top_logprobs, k)
+        expected = TopLogprobs.from_blocks(seq.top_blocks, seq.top_rows, k)
         got = tops.get(id(seq)) or processor.build(seq).top_logprobs
         assert got.token_ids.shape == (len(seq.top_blocks), k)
         assert got == expected
