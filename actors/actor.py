@@ -153,8 +153,9 @@ def cache_bytecode() -> str | None:
     of which also ship torch without ``.pyc`` files): every actor start would otherwise
     compile torch and transformers from source again. The cache is a separate directory
     (``sys.pycache_prefix``): ``$RAYGEN_PYCACHE``, default ``<tmp>/raygen-pycache-<uid>``;
-    ``RAYGEN_PYCACHE=off`` leaves the process as it is. Returns the directory in use, or
-    None when nothing changed."""
+    ``RAYGEN_PYCACHE=off`` leaves the process as it is. The directory is made private (0700)
+    and refused unless it belongs to this user and no one else may write it. Returns the
+    directory in use, or None when nothing changed."""
     if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
         return None
     path = os.environ.get("RAYGEN_PYCACHE",
@@ -162,10 +163,14 @@ def cache_bytecode() -> str | None:
     if path.lower() in ("", "0", "off", "false", "no"):
         return None
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
     except OSError:
         return None
-    if not os.access(path, os.W_OK):
+    # bytecode found there is executed: only a directory of ours that no one else may write
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or not os.access(path, os.W_OK):
+        logger.warning("not caching bytecode in %s: it must belong to this user and be "
+                       "writable by no one else", path)
         return None
     sys.pycache_prefix = path  # read by the import system at every later import
     sys.dont_write_bytecode = False

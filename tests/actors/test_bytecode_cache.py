@@ -22,7 +22,18 @@ def test_a_process_that_may_not_write_bytecode_caches_it_under_the_prefix(no_byt
     monkeypatch.setenv("RAYGEN_PYCACHE", str(target))
     assert cache_bytecode() == str(target)
     assert sys.pycache_prefix == str(target) and not sys.dont_write_bytecode
-    assert target.is_dir()
+    assert target.is_dir() and target.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_directory_others_may_write_is_refused(no_bytecode, tmp_path, monkeypatch):
+    """Bytecode found in the cache is executed: a directory another user can write into (a
+    shared /tmp planted in advance, say) is not used."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("RAYGEN_PYCACHE", str(shared))
+    assert cache_bytecode() is None
+    assert sys.dont_write_bytecode and sys.pycache_prefix is None
 
 
 def test_off_or_an_existing_choice_leaves_the_process_alone(no_bytecode, monkeypatch, tmp_path):
