@@ -257,7 +257,7 @@ class Engine:
             outputs.record_logprobs(lp_seqs, lp_rows, values, ranks, host.topk_ids,
                                     host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
-            tops = outputs.top_logprobs_of(done) if len(done) > 1 else {}
+            tops = outputs.top_logprobs_of(done)
             for seq in done:
                 self._ready.append(self._finish(seq, tops.get(id(seq))))
 

@@ -90,15 +90,12 @@ class StepExecutor:
             step.output = AsyncOutput(out)
             step.token_ids = out.token_ids
             pending_pos = step.pending_pos
-            append = pending_pos.append
-            row = 0
-            for seq in sample_seqs:
+            for row, seq in enumerate(sample_seqs):
                 tokens = seq.token_ids
-                append(len(tokens))
+                pending_pos.append(len(tokens))
                 tokens.append(PENDING)
                 seq.num_pending += 1
                 seq.pending_row = row
-                row += 1
             step.sample_seqs = list(sample_seqs)
         if timer is not None:
             timer.end_step()

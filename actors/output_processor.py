@@ -128,22 +128,24 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ outputs
     def top_logprobs_of(self, seqs: list[Sequence]) -> dict[int, TopLogprobs]:
-        """The top logprobs of finished sequences that sampled in exactly the same steps (a
-        wave of rows finishing together), keyed by ``id(seq)``: gathered one step at a time
-        for the whole group instead of one step at a time per sequence. Sequences alone in
-        their group are left to :meth:`build`."""
+        """The top logprobs of finished sequences, keyed by ``id(seq)``. Sequences that
+        sampled in exactly the same steps (a wave of rows finishing together) are gathered
+        one step at a time for the whole group, not one step at a time per sequence."""
         groups: dict[tuple[int, int, int], list[Sequence]] = {}
+        tops: dict[int, TopLogprobs] = {}
         for seq in seqs:
             blocks = seq.top_blocks
-            if seq.top_rows is None or not blocks:
+            if seq.top_rows is None:
+                continue
+            if not blocks:  # no step sampled yet (aborted early)
+                k = self._top_k(seq)
+                tops[id(seq)] = TopLogprobs(np.zeros((0, k), np.int64),
+                                            np.zeros((0, k), np.float32))
                 continue
             # one block per step sampled, so equal first and last blocks and an equal count
             # mean the same steps (a preempted sequence misses steps: its count differs)
             groups.setdefault((id(blocks[0]), id(blocks[-1]), len(blocks)), []).append(seq)
-        tops: dict[int, TopLogprobs] = {}
         for members in groups.values():
-            if len(members) < 2:
-                continue
             ks = [self._top_k(m) for m in members]
             k = max(ks)
             rows = np.array([m.top_rows for m in members], np.int64)  # [members, steps]
@@ -157,6 +159,8 @@ class OutputProcessor:
     def build(self, seq: Sequence, top: TopLogprobs | None = None) -> GenerationOutput:
         """The output row of a finished sequence (``top``: its top logprobs when gathered
         already, :meth:`top_logprobs_of`)."""
+        if top is None and seq.top_rows is not None:
+            top = self.top_logprobs_of([seq])[id(seq)]
         request = seq.request
         return GenerationOutput(
             id=request.request_id,
@@ -166,8 +170,7 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=seq.logprobs,
-            top_logprobs=top if top is not None else None if seq.top_rows is None
-            else TopLogprobs.from_blocks(seq.top_blocks, seq.top_rows, self._top_k(seq)),
+            top_logprobs=top,
             sampled_ranks=seq.sampled_ranks,
             prompt_logprobs=list(request.prompt_logprobs)
             if request.prompt_logprobs is not None else None,

@@ -51,15 +51,6 @@ class TopLogprobs(Sequence):
                              f"{logprobs.shape} must be the same [steps, k] shape")
         self.token_ids, self.logprobs = token_ids, logprobs
 
-    @classmethod
-    def from_blocks(cls, blocks: Sequence[tuple[np.ndarray, np.ndarray]], rows: Sequence[int],
-                    k: int) -> TopLogprobs:
-        """From one step block (ids and values, ``[n, >= k]``) and a row in it per step."""
-        if not blocks:
-            return cls(np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
-        return cls(np.stack([ids[r, :k] for (ids, _), r in zip(blocks, rows)]),
-                   np.stack([vals[r, :k] for (_, vals), r in zip(blocks, rows)]))
-
     def __len__(self) -> int:
         return self.token_ids.shape[0]
 

@@ -8,7 +8,6 @@ position in its file when the id itself is unusable) and names the field.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -208,8 +207,7 @@ class _ParamsReader:
         if params.seed is None:  # the job's seed rule for unseeded rows
             from sampler import derive_seed
 
-            params = copy.copy(params)  # validated already; derive_seed is in range
-            params.seed = derive_seed(self.task.seed, row_id)
+            params = params.with_seed(derive_seed(self.task.seed, row_id))
         return params
 
 

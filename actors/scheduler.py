@@ -115,9 +115,7 @@ class Scheduler:
 
     def is_generation_done(self, seq: Sequence) -> bool:
         """Whether the sequence already holds its last token (value possibly pending)."""
-        max_tokens = seq.request.params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) \
-            or seq.num_tokens >= self.max_model_len
+        return seq.num_tokens >= min(seq.max_num_tokens, self.max_model_len)
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -161,7 +159,6 @@ class Scheduler:
         seqs_out, starts, nums = out.seqs, out.starts, out.num_new
         scheduled = out.scheduled_ids
         sample_seqs, sample_chunks = out.sample_seqs, out.sample_chunks
-        num_tokens_out = out.num_tokens
         for seq in seqs:  # inlined per-sequence checks:
             if budget == 0:                              # this loop runs for every running
                 break                                    # sequence at every step
@@ -171,9 +168,7 @@ class Scheduler:
             if num_tokens >= max_len or num_tokens >= seq.max_num_tokens:
                 continue  # is_generation_done
             start = seq.num_computed_tokens
-            num_new = num_tokens - start
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_tokens - start, budget)
             after = start + num_new
             need = -(-after // bs) - len(seq.block_table)
             if need <= 0 and start >= seq.num_prompt and seq.fanout == 1 and not (
@@ -185,13 +180,12 @@ class Scheduler:
                 starts.append(start)
                 nums.append(num_new)
                 scheduled.add(seq.seq_id)
-                num_tokens_out += num_new
+                out.num_tokens += num_new
                 budget -= num_new
                 if after == num_tokens:
                     sample_chunks.append(len(seqs_out) - 1)
                     sample_seqs.append(seq)
                 continue
-            out.num_tokens = num_tokens_out
             if seq.fanout > 1:
                 need += self._fork_pages(seq, after)
             if need > bm.num_free_blocks:
@@ -205,9 +199,7 @@ class Scheduler:
                 if seq.status is not running or need > bm.num_free_blocks:
                     continue
             self._schedule_chunk(seq, num_new, need, out)
-            num_tokens_out = out.num_tokens
             budget -= num_new
-        out.num_tokens = num_tokens_out
         return budget
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence | None:

@@ -8,7 +8,6 @@ values usually come from data files, where a type error is a data error).
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import json
 import math

@@ -91,10 +91,5 @@ def test_top_logprobs_reads_as_a_list_of_steps():
     assert pickle.loads(pickle.dumps(top)) == top
     out = GenerationOutput(id="a", top_logprobs=top)
     assert out.to_dict()["top_logprobs"] == plain and type(out.to_dict()["top_logprobs"]) is list
-    empty = TopLogprobs.from_blocks([], [], 4)
+    empty = TopLogprobs(np.zeros((0, 4), np.int64), np.zeros((0, 4), np.float32))
     assert len(empty) == 0 and empty == [] and empty.token_ids.shape == (0, 4)
-    blocks = [(np.stack([ids[i], ids[i][::-1]]), np.stack([values[i], values[i][::-1]]))
-              for i in range(3)]  # each step's block holds our row and another sequence's
-    stacked = TopLogprobs.from_blocks(blocks, [0, 0, 0], 2)
-    assert stacked == top
-    assert TopLogprobs.from_blocks(blocks, [0, 0, 0], 1) == [step[:1] for step in plain]

@@ -1,5 +1,5 @@
 """A wave of finished sequences gathers its top logprobs per step for the whole group; the
-result equals the per-sequence gather."""
+result equals each sequence's own rows of the step blocks."""
 
 from __future__ import annotations
 
@@ -33,13 +33,17 @@ def test_group_gather_equals_the_per_sequence_gather():
         for seq, row in zip(members, rows):
             seq.top_blocks.append(block)
             seq.top_rows.append(int(row))
-    everyone = wave + late + [alone]
+    unsampled = _seq(4)             # aborted before its first step
+    everyone = wave + late + [alone, unsampled]
     tops = processor.top_logprobs_of(everyone)
-    assert set(tops) == {id(s) for s in wave + late}
+    assert set(tops) == {id(s) for s in everyone}
     for seq in everyone:
         k = seq.request.params.logprobs
-        expected = TopLogprobs.from_blocks(seq.top_blocks, seq.top_rows, k)
-        got = tops.get(id(seq)) or processor.build(seq).top_logprobs
-        assert got.token_ids.shape == (len(seq.top_blocks), k)
-        assert got == expected
-        assert processor.build(seq, tops.get(id(seq))).top_logprobs == expected
+        expected = TopLogprobs(  # this sequence's row of each step's block, one at a time
+            np.array([ids[r, :k] for (ids, _), r in zip(seq.top_blocks, seq.top_rows)],
+                     np.int64).reshape(-1, k),
+            np.array([vals[r, :k] for (_, vals), r in zip(seq.top_blocks, seq.top_rows)],
+                     np.float32).reshape(-1, k))
+        assert tops[id(seq)].token_ids.shape == (len(seq.top_blocks), k)
+        assert tops[id(seq)] == expected
+        assert processor.build(seq).top_logprobs == expected  # gathered alone
