@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.noise import _gumbel, _row_key, LANE0, LANE1
+from sampler.kernels.noise import _gumbel, _gumbel_bits, _gumbel_of_bits, _row_key, LANE0, LANE1
 from sampler.kernels.process import _processed, _row_processing
 from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _order_key
 
@@ -125,13 +125,15 @@ def _stats_range(
             upd = tv > acc_bv
             acc_bv = tl.where(upd, tv, acc_bv)
             acc_bi = tl.where(upd, ti, acc_bi)
-        else:
-            acc_ms = tl.maximum(acc_ms, tl.max(tl.math.div_rn(x, T), 1))
+        else:  # divided by T after the loop (rounded division by T > 0 keeps the order)
+            acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
         if ANY_LP:
             if lp_on:
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
                 if mode == 4:
                     acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
+    if not (greedy | (not ANY_RANDOM)):
+        acc_ms = tl.math.div_rn(acc_ms, T)
     return acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt
 
 
@@ -224,7 +226,16 @@ def _gumbel_max_of(vals, ids, kept, k0, k1):
     return tl.where(best > float("-inf"), tok, 0)
 
 
-GUMBEL_MAX: tl.constexpr = tl.constexpr(24.0)  # bound on _gumbel's values (22.9 at most)
+@triton.jit
+def _noise_bound(sk, kept, bits):
+    """An upper bound, per lane, on ``sk + noise`` over the kept tokens of a ``[R, VEC]``
+    tile: the lane's largest value plus the noise of its largest hash bits (the noise is
+    non-decreasing in the bits, so that is the lane's largest noise), with slack for the
+    rounding of the logarithms and of the sum. ``-inf`` for a lane with nothing kept."""
+    key = tl.where(kept, (bits ^ 2147483648).to(tl.int32, bitcast=True), -2147483647 - 1)
+    top = tl.max(key, 1).to(tl.uint32, bitcast=True) ^ 2147483648
+    ub = tl.max(sk, 1) + _gumbel_of_bits(top)
+    return tl.where(ub > float("-inf"), ub + (tl.abs(ub) * 1e-5 + 1e-3), ub)
 
 
 @triton.jit
@@ -240,9 +251,9 @@ def _scan(
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
     Gumbel-max
-    over the survivors strictly above ``floor`` (token, its value; with SKIP, tiles whose
-    largest value cannot beat the best score so far even with the largest noise skip the
-    noise). COUNT /
+    over the survivors strictly above ``floor`` (token, its value; with SKIP, a tile computes
+    its noise only when a lane's bound, :func:`_noise_bound`, reaches the best score so far:
+    the hash bits are cheap, the logarithms are not). COUNT /
     MASS: survivors strictly above ``s_x`` and their mass exp(s - m_s). TOTAL: survivors and
     their mass. Returns (token, its value, count, mass, survivors, their mass, best score)."""
     NEG = float("-inf")
@@ -267,11 +278,12 @@ def _scan(
         if DRAW:
             kept = valid & (s > floor)
             sk = tl.where(kept, s, NEG)
+            bits = _gumbel_bits(offs, k0, k1)
             go = True
-            if SKIP:
-                go = tl.max(tl.max(sk, 1), 0) + GUMBEL_MAX >= tl.max(acc_sv, 0)
+            if SKIP:  # the noise's logarithms only for tiles that could beat the best so far
+                go = tl.max(_noise_bound(sk, kept, bits), 0) >= tl.max(acc_sv, 0)
             if go:
-                score = tl.where(kept, sk + _gumbel(offs, k0, k1), NEG)
+                score = tl.where(kept, sk + _gumbel_of_bits(bits), NEG)
                 am = tl.argmax(score, 1)
                 tv = tl.max(score, 1)
                 ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)

@@ -45,22 +45,31 @@ def _row_key(seed, sidx, pos, lane_const):
 
 
 @triton.jit
-def _neg_log1p_neg(y):
-    """-log1p(-y) for y in (0, 1/2], accurate near 0 (u = 1 - y, log(u) * y / (1 - u))."""
-    u = 1.0 - y
-    return tl.where(u == 1.0, y, -tl.log(u) * (y / (1.0 - u)))
+def _gumbel_bits(ids, k0, k1):
+    """The 32 hash bits of token ids (int32 tensor) for one row's keys (uint32 scalars); the
+    noise is non-decreasing in them (as unsigned integers)."""
+    return _r2(_r1(ids.to(tl.uint32) + k0) ^ k1)
+
+
+@triton.jit
+def _gumbel_of_bits(b):
+    """Gumbel noise of hash bits ``b`` (uint32): ``-log(E)`` with ``E = -log(u)``,
+    ``u = (2b + 1) / 2**33``; for the upper half of ``b``, ``-log1p(-y)`` with
+    ``y = (2c + 1) / 2**33`` and ``c = 2**32 - 1 - b`` (exact in 32 bits), in the form of the
+    module docstring. One logarithm serves both halves."""
+    low = b < 2147483648
+    c = tl.where(low, b, 4294967295 - b)
+    v = (2 * c + 1).to(tl.float32) * 1.1641532182693481e-10
+    u = 1.0 - v
+    lg = -tl.log(tl.where(low, v, u))
+    e = tl.where(low, lg, tl.where(u == 1.0, v, lg * (v / (1.0 - u))))
+    return -tl.log(e)
 
 
 @triton.jit
 def _gumbel(ids, k0, k1):
     """Gumbel noise of token ids (int32 tensor) for one row's keys (uint32 scalars)."""
-    b = _r2(_r1(ids.to(tl.uint32) + k0) ^ k1)
-    b64 = b.to(tl.int64)
-    low = b64 < 2147483648
-    u = (2 * b64 + 1).to(tl.float32) * 1.1641532182693481e-10
-    omu = (2 * (4294967295 - b64) + 1).to(tl.float32) * 1.1641532182693481e-10
-    e = tl.where(low, -tl.log(u), _neg_log1p_neg(omu))
-    return -tl.log(e)
+    return _gumbel_of_bits(_gumbel_bits(ids, k0, k1))
 
 
 @triton.jit
