@@ -101,9 +101,13 @@ def _stats_range(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
+    DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0,
 ):
     """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
-    log-sum-exp accumulators of the raw values and of raw / T."""
+    log-sum-exp accumulators of the raw values and of raw / T. With ``draw1`` (a random row
+    without min-p) also the per-lane accumulators of the Gumbel-max draw over every finite
+    x / T (:func:`_draw_tile`), the draw the fused kernel would otherwise make in a pass of
+    its own."""
     NEG = float("-inf")
     lane = tl.arange(0, R)
     acc_bv = tl.full([R], NEG, tl.float32)
@@ -113,6 +117,9 @@ def _stats_range(
     acc_lr = tl.zeros([R], dtype=tl.float32)
     acc_mt = tl.full([R], NEG, tl.float32)
     acc_lt = tl.zeros([R], dtype=tl.float32)
+    d_sv = tl.full([R], NEG, tl.float32)
+    d_si = tl.zeros([R], dtype=tl.int32)
+    d_ss = tl.full([R], NEG, tl.float32)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
         offs, vmask, raw, x = _tile(
             base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
@@ -127,6 +134,12 @@ def _stats_range(
             acc_bi = tl.where(upd, ti, acc_bi)
         else:  # divided by T after the loop (rounded division by T > 0 keeps the order)
             acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
+            if DRAW1:
+                if draw1:
+                    s = tl.math.div_rn(x, T)
+                    kept = s > NEG
+                    d_sv, d_si, d_ss = _draw_tile(tl.where(kept, s, NEG), kept, offs, k0, k1,
+                                                  d_sv, d_si, d_ss, True)
         if ANY_LP:
             if lp_on:
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
@@ -134,7 +147,7 @@ def _stats_range(
                     acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
     if not (greedy | (not ANY_RANDOM)):
         acc_ms = tl.math.div_rn(acc_ms, T)
-    return acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt
+    return acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt, d_sv, d_si, d_ss
 
 
 @triton.jit
@@ -239,6 +252,42 @@ def _noise_bound(sk, kept, bits):
 
 
 @triton.jit
+def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, SKIP: tl.constexpr):
+    """One ``[R, VEC]`` tile into the per-lane Gumbel-max accumulators (best score, its token,
+    its value) over the tokens ``kept`` (values ``sk``). With SKIP the noise's logarithms are
+    computed only when a lane's bound (:func:`_noise_bound`) reaches the best score so far:
+    the hash bits are cheap, the logarithms are not."""
+    NEG = float("-inf")
+    bits = _gumbel_bits(offs, k0, k1)
+    go = True
+    if SKIP:
+        go = tl.max(_noise_bound(sk, kept, bits), 0) >= tl.max(acc_sv, 0)
+    if go:
+        score = tl.where(kept, sk + _gumbel_of_bits(bits), NEG)
+        am = tl.argmax(score, 1)
+        tv = tl.max(score, 1)
+        col = tl.arange(0, sk.shape[1])[None, :]
+        ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
+        upd = tv > acc_sv
+        acc_sv = tl.where(upd, tv, acc_sv)
+        acc_si = tl.where(upd, tl.min(offs, 1) + am, acc_si)
+        acc_ss = tl.where(upd, ts, acc_ss)
+    return acc_sv, acc_si, acc_ss
+
+
+@triton.jit
+def _draw_result(acc_sv, acc_si, acc_ss):
+    """Per-lane draw accumulators -> (token, its value, best score); the lowest token on a
+    tie, (0, -inf, -inf) when nothing was kept."""
+    NEG = float("-inf")
+    best = tl.max(acc_sv, 0)
+    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
+    s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
+    s_tok = tl.where(best > NEG, s_tok, NEG)
+    return tok, s_tok, best
+
+
+@triton.jit
 def _scan(
     base, lo, hi, row, slot, V, W, T, thr, m_s, s_x, floor, k0, k1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
@@ -250,16 +299,12 @@ def _scan(
     SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1,
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
-    Gumbel-max
-    over the survivors strictly above ``floor`` (token, its value; with SKIP, a tile computes
-    its noise only when a lane's bound, :func:`_noise_bound`, reaches the best score so far:
-    the hash bits are cheap, the logarithms are not). COUNT /
-    MASS: survivors strictly above ``s_x`` and their mass exp(s - m_s). TOTAL: survivors and
-    their mass. Returns (token, its value, count, mass, survivors, their mass, best score)."""
+    Gumbel-max over the survivors strictly above ``floor`` (token, its value;
+    :func:`_draw_tile`, SKIP as there). COUNT / MASS: survivors strictly above ``s_x`` and
+    their mass exp(s - m_s). TOTAL: survivors and their mass. Returns (token, its value,
+    count, mass, survivors, their mass, best score)."""
     NEG = float("-inf")
     BLOCK: tl.constexpr = R * VEC
-    lane = tl.arange(0, R)
-    col = tl.arange(0, VEC)[None, :]
     acc_sv = tl.full([R], NEG, tl.float32)
     acc_si = tl.zeros([R], dtype=tl.int32)
     acc_ss = tl.full([R], NEG, tl.float32)
@@ -277,20 +322,8 @@ def _scan(
         valid = (s >= thr) & (s > NEG)
         if DRAW:
             kept = valid & (s > floor)
-            sk = tl.where(kept, s, NEG)
-            bits = _gumbel_bits(offs, k0, k1)
-            go = True
-            if SKIP:  # the noise's logarithms only for tiles that could beat the best so far
-                go = tl.max(_noise_bound(sk, kept, bits), 0) >= tl.max(acc_sv, 0)
-            if go:
-                score = tl.where(kept, sk + _gumbel_of_bits(bits), NEG)
-                am = tl.argmax(score, 1)
-                tv = tl.max(score, 1)
-                ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
-                upd = tv > acc_sv
-                acc_sv = tl.where(upd, tv, acc_sv)
-                acc_si = tl.where(upd, start + lane * VEC + am, acc_si)
-                acc_ss = tl.where(upd, ts, acc_ss)
+            acc_sv, acc_si, acc_ss = _draw_tile(tl.where(kept, s, NEG), kept, offs, k0, k1,
+                                                acc_sv, acc_si, acc_ss, SKIP)
         if COUNT:
             gt = valid & (s > s_x)
             acc_c += tl.sum(gt.to(tl.int32), 1)
@@ -301,17 +334,14 @@ def _scan(
                 if TOTAL:
                     acc_n += tl.sum(valid.to(tl.int32), 1)
                     acc_z += tl.sum(tl.where(valid, e, 0.0), 1)
-    best = tl.max(acc_sv, 0)
-    tok = tl.min(tl.where(acc_sv == best, acc_si, 2147483647), 0)
-    s_tok = tl.max(tl.where((acc_sv == best) & (acc_si == tok), acc_ss, NEG), 0)
-    s_tok = tl.where(best > NEG, s_tok, NEG)
+    tok, s_tok, best = _draw_result(acc_sv, acc_si, acc_ss)
     return (tok, s_tok, tl.sum(acc_c, 0), tl.sum(acc_g, 0), tl.sum(acc_n, 0),
             tl.sum(acc_z, 0), best)
 
 
 @triton.jit
 def _draw_then_verify(
-    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, seed, sidx, pos,
+    base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, k0, k1, have1, tok1, s_x1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -330,17 +360,20 @@ def _draw_then_verify(
     here only when top-k keeps every survivor (at most k of them). The kept set lies strictly
     above a rejected draw, so the next draw is over the survivors above it (same noise): each
     later pass verifies one draw and makes the next. Returns (token, kept); a row that is not
-    settled after ROUNDS such passes takes the exact selection path."""
+    settled after ROUNDS such passes takes the exact selection path. ``have1``: the first
+    draw (``tok1``, its value ``s_x1``) was made in pass 1."""
     NEG = float("-inf")
-    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
-    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
-    tok, s_x, _c, _g, _n, _z, _b = _scan(
-        base, 0, V, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
-        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
-        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-        DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
+    if have1:
+        tok = tok1
+        s_x = s_x1
+    else:
+        tok, s_x, _c, _g, _n, _z, _b = _scan(
+            base, 0, V, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
+            pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+            bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+            ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
@@ -429,6 +462,25 @@ def _fused_sampler_kernel(
     lp_on = (nlp != -2) & raw_family & (nlp >= 0)
     NEG = float("-inf")
     lane = tl.arange(0, R)
+    k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
+    k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
+    fk_on = (top_k > 0) & (top_k < V)
+    fp_on = top_p < 1.0
+    # draw first (then verify) only where top-k is off or beyond the lane count: top-k
+    # within it is one gather pass below
+    fast_row = (not greedy) & (fk_on | fp_on) & ((not fk_on) | (top_k > R))
+    # a random row without min-p draws over every finite value: pass 1 makes that draw when
+    # it is needed (no top-k / top-p, or drawing first)
+    draw1 = False
+    d_tok = 0
+    d_sx = NEG
+    DRAW1: tl.constexpr = ANY_RANDOM & (not SPLIT)
+    if DRAW1:
+        plain_row = (not greedy) & (not fk_on) & (not fp_on)
+        if FAST & ANY_SEL:
+            draw1 = (log_min_p == NEG) & (plain_row | fast_row)
+        else:
+            draw1 = (log_min_p == NEG) & plain_row
 
     # ---------------------------------------------------------------- pass 1: row statistics
     if SPLIT:  # computed by _stats_kernel over vocab chunks: combine its partials
@@ -443,13 +495,15 @@ def _fused_sampler_kernel(
         acc_mt = tl.load(pf + 4, mask=live, other=NEG)
         acc_lt = tl.load(pf + 5, mask=live, other=0.0)
     else:
-        acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt = _stats_range(
+        acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt, d_sv, d_si, d_ss = _stats_range(
             base, 0, V, row, slot, V, W, T, greedy, lp_on, mode,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-            STAGES=STAGES)
+            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1)
+        if DRAW1:
+            d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
     best_v, best_i = _best(acc_bv, acc_bi)
     m_s = tl.max(acc_ms, 0)
     m_r = tl.max(acc_mr, 0)
@@ -461,12 +515,10 @@ def _fused_sampler_kernel(
     fast_done = False
     fast_tok = 0
     if FAST & ANY_RANDOM & ANY_SEL:
-        fk_on = (top_k > 0) & (top_k < V)
-        fp_on = top_p < 1.0
-        # top-k within the lane count is one gather pass below: draw first only otherwise
-        if (not greedy) & (fk_on | fp_on) & ((not fk_on) | (top_k > acc_ms.shape[0])):
+        if fast_row:
             fast_tok, fast_done = _draw_then_verify(
-                base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, fp_on, seed, sidx, pos,
+                base, row, slot, V, W, T, thr, m_s, top_k, top_p, fk_on, fp_on, k0, k1, draw1,
+                d_tok, d_sx,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -686,10 +738,10 @@ def _fused_sampler_kernel(
     if ANY_RANDOM:
         if not greedy:
             v_star = tl.maximum(thr, tl.maximum(v_k, v_p))
-            k0 = _row_key(seed, sidx, pos, tl.full((), LANE0, tl.uint32))
-            k1 = _row_key(seed, sidx, pos, tl.full((), LANE1, tl.uint32))
             if fast_done:
                 tok = fast_tok
+            elif draw1 & (v_star == NEG):  # the kept set is every finite value: pass 1's draw
+                tok = d_tok
             elif sel_on & from_cands:
                 ii = tl.arange(0, CAP)
                 keys = tl.load(cand_p + ii, cache_modifier=".cg")
@@ -775,7 +827,7 @@ def _stats_kernel(
     lp_on = (nlp != -2) & raw_family & (nlp >= 0)
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
-    acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt = _stats_range(
+    acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt, _dv, _di, _ds = _stats_range(
         base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
