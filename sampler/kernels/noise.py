@@ -113,3 +113,29 @@ def compute_gumbel_noise(
                                BLOCK=min(4096, triton.next_power_of_2(vocab_size)),
                                enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _noise_of_bits_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    b = tl.load(bits_ptr + offs, mask=m, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, _gumbel_of_bits(b), mask=m)
+
+
+def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Triton twin of :func:`sampler.ops.gumbel.gumbel_from_bits` (fp32): the noise of given
+    32-bit hash values.
+
+    Args:
+        bits: int64 tensor of values in ``[0, 2**32)``.
+
+    Returns:
+        float32 tensor of the shape of ``bits``.
+    """
+    flat = bits.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=bits.device)
+    if flat.numel():
+        _noise_of_bits_kernel[(triton.cdiv(flat.numel(), 1024),)](
+            flat, out, flat.numel(), BLOCK=1024, enable_fp_fusion=False)
+    return out.reshape(bits.shape)

@@ -260,6 +260,23 @@ def test_noise_bits_and_values_match_torch():
     assert bits.max() < 2**32 and bits.min() >= 0  # the oracle the kernel's bits follow
 
 
+def test_noise_is_non_decreasing_in_the_bits():
+    """The draw leaves out the noise of a tile whose lanes' bounds (largest value + the noise
+    of the largest hash bits, plus 1e-3 of slack) are below the best score so far: sound only
+    if the noise never falls as the bits grow, beyond rounding well inside that slack."""
+    from sampler.kernels.noise import noise_of_bits
+    from sampler.ops.gumbel import gumbel_from_bits
+
+    g = torch.Generator().manual_seed(3)
+    edges = torch.tensor([0, 1, 2, 2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 3, 2**32 - 2,
+                          2**32 - 1], dtype=torch.int64)
+    bits = torch.cat([torch.randint(0, 2**32, (1 << 15,), generator=g), edges]).sort().values
+    noise = noise_of_bits(bits.to(DEVICE)).cpu()
+    torch.testing.assert_close(noise, gumbel_from_bits(bits), rtol=2e-6, atol=2e-6)
+    assert (noise[:-1] - noise[1:]).max().item() < 1e-5
+    assert noise[0] < -3 and noise[-1] > 22  # both tails reached
+
+
 def test_processing_kernel_matches_torch_ops():
     """Steps 2-6 alone: penalties, bias, bans, min_tokens, allowed (bit for bit in fp32)."""
     from sampler.kernels.pipeline import compute_bad_word_bans
