@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -54,6 +54,10 @@ class LaunchConfig:
     chunk_warps: int = 4
     lanes: int = 64
     draw_rounds: int = 6  # chunked draw-then-verify: verification rounds after the first draw
+    # all-greedy steps without top-k logprobs: pass 1 over vocab chunks of `chunk` tokens
+    # (tiles of `chunk_block`, `chunk_warps` warps), then the fused kernel at that size only
+    # combines them (token, logprob, rank); off: the fused kernel alone
+    greedy_split: bool = True
     # > 1: the row-pass loops of the fused kernel (statistics, draws, verification) are
     # software-pipelined this deep (tile loads run ahead into shared memory)
     stages: int = 1
@@ -242,15 +246,21 @@ def run_pipeline_triton(
         part, part_i, done = ran.part, ran.part_i, ran.flags
         if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
             return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
-    elif cfg.split > 0:
-        chunk = max(cfg.block, cfg.split // cfg.block * cfg.block)
+    elif cfg.split > 0 or (cfg.greedy_split and not plan.any_random and k == 0):
+        small = cfg.split <= 0  # the greedy split: small programs for both kernels
+        block, warps = (cfg.chunk_block, cfg.chunk_warps) if small else (cfg.block,
+                                                                          cfg.num_warps)
+        size = cfg.chunk if small else cfg.split
+        chunk = max(block, size // block * block)
         nchunk = triton.cdiv(vocab, chunk)
         part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
         part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
         _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, part, 1,
-                                      **flags, BLOCK=cfg.block, VEC=cfg.vec, LANES=False,
+                                      **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
                                       STAGES=cfg.stages,
-                                      num_warps=cfg.num_warps, enable_fp_fusion=False)
+                                      num_warps=warps, enable_fp_fusion=False)
+        if small:
+            cfg = replace(cfg, block=block, num_warps=warps, split=chunk)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,

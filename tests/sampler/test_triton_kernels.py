@@ -277,6 +277,40 @@ def test_noise_is_non_decreasing_in_the_bits():
     assert noise[0] < -3 and noise[-1] > 22  # both tails reached
 
 
+@pytest.mark.parametrize("greedy_split", [True, False])
+def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
+    """An all-greedy step without top-k logprobs runs pass 1 over vocab chunks and the fused
+    kernel only combines them (the greedy split); both ways equal torch, penalties and bias
+    that move the argmax away from the raw one (rank counted over the row) included."""
+    from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
+
+    base = launch_config(1000)
+    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
+                                   chunk=256, chunk_block=64, chunk_warps=4,
+                                   greedy_split=greedy_split))
+    try:
+        rows, vocab = 6, 1000
+        rng = np.random.default_rng(11)
+        sampler = Sampler(8, vocab, device=DEVICE, eos_token_ids=[2])
+        slots = rng.permutation(8)[:rows]
+        for i, slot in enumerate(slots):
+            params = SamplingParams(
+                temperature=0.0, logprobs=0, seed=i, logprobs_mode=MODES[i % 3],
+                repetition_penalty=1.5 if i % 2 else 1.0,
+                logit_bias={int(rng.integers(vocab)): 30.0} if i == 4 else None)
+            prompt = rng.integers(0, vocab, size=5).tolist()
+            sampler.add_request(int(slot), params, prompt, seed=i, output_token_ids=[])
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 2
+        logits[1, 1:] -= 50.0  # row 1: the argmax is token 0 whatever the penalty
+        logits = logits.to(DEVICE)
+        ref, out, _, plan = both_backends(sampler, slots, logits)
+        assert not plan.any_random and plan.max_num_logprobs == 0
+        assert_same(ref, out)
+        assert (out.ranks > 1).any()  # the bias moved row 4's token off the raw argmax
+    finally:
+        set_launch_config(None)
+
+
 def test_processing_kernel_matches_torch_ops():
     """Steps 2-6 alone: penalties, bias, bans, min_tokens, allowed (bit for bit in fp32)."""
     from sampler.kernels.pipeline import compute_bad_word_bans
