@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from actors.profiling import LoopProfile
+
 logger = logging.getLogger(__name__)
 
 # Shard threads read rows and build part files (Python work) while the loop thread drives the
@@ -136,6 +138,8 @@ class EngineServer:
             self._engine.add_requests(batch.requests, fresh_prefix_cache=batch.exclusive)
 
     def _loop(self) -> None:
+        profile = LoopProfile("engine-loop")  # RAYGEN_PROFILE_DIR (actors.profiling)
+        profile.start()
         while True:
             try:
                 self._admit()
@@ -154,6 +158,7 @@ class EngineServer:
                 touched.add(batch)
             for batch in touched:
                 if batch.complete():
+                    profile.dump()
                     self._release(batch)
             if not self._engine.has_unfinished_requests():
                 self._release_stuck()

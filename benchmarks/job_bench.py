@@ -190,6 +190,7 @@ def bare_stage(args) -> None:
     import torch
 
     from actors.engine import Engine
+    from actors.profiling import LoopProfile
     from actors.rows import prepare_requests, read_rows, row_ids
     from jobs.config import JobConfig
     from jobs.inputs import discover
@@ -229,18 +230,21 @@ def bare_stage(args) -> None:
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup.items())
     log(f"bare: engine loaded in {load_s:.1f} s ({phases}), warmed up; generating "
         f"{len(requests)} rows")
+    profile = LoopProfile("bare")  # RAYGEN_PROFILE_DIR: as the actors' engine loop
     with e2e.frozen_heap():  # as the actors after startup
         t0 = time.perf_counter()
         before = engine.counters.snapshot()
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params)
         outputs = []
+        profile.start()
         while engine.has_unfinished_requests():
             outputs.extend(engine.step())
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         spent = engine.counters.since(before)
+    profile.dump()
     tokens = sum(o.num_output_tokens for o in outputs)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     outputs.sort(key=lambda o: index[o.id])

@@ -81,6 +81,27 @@ def test_server_reports_where_a_call_spent_its_time(tiny_llama):
     assert second["steps"] == 2  # the call's own steps only
 
 
+def test_engine_loop_profile_is_written_when_asked(tiny_llama, tmp_path, monkeypatch):
+    """RAYGEN_PROFILE_DIR: the engine loop's thread runs under cProfile and its statistics are
+    written when a call's requests are done; without it, nothing is written."""
+    import pstats
+
+    from actors.serving import EngineServer
+
+    params = SamplingParams(max_tokens=3, seed=0, ignore_eos=True)
+    monkeypatch.setenv("RAYGEN_PROFILE_DIR", str(tmp_path / "prof"))
+    server = EngineServer(make_engine(tiny_llama))
+    server.run([("a", [5, 6, 7], params)], exclusive=True)
+    files = list((tmp_path / "prof").glob("engine-loop-*.pstats"))
+    assert len(files) == 1
+    stats = pstats.Stats(str(files[0])).stats  # {(file, line, function): (cc, nc, tt, ct, ...)}
+    steps = [v for (f, _, fn), v in stats.items() if fn == "step" and f.endswith("engine.py")]
+    assert steps and steps[0][1] >= 3  # at least one call per token (the loop thread's)
+    monkeypatch.delenv("RAYGEN_PROFILE_DIR")
+    EngineServer(make_engine(tiny_llama)).run([("b", [5, 6], params)], exclusive=True)
+    assert list((tmp_path / "prof").iterdir()) == files
+
+
 def test_token_sampled_after_a_stop_is_dropped(tiny_llama):
     """A stop is only seen a step late, so the next step already sampled for the request:
     that token is dropped."""
