@@ -10,13 +10,16 @@ Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes most
 
 1. statistics: processed values (steps 2–6), greedy argmax (ties to the lowest id), the
    maximum after temperature, raw max / log-sum-exp (raw_logprobs), log-sum-exp of raw / T
-   (temperature_logprobs);
+   (temperature_logprobs); for a random row without min-p also its first Gumbel-max draw
+   (the only one when it has no top-k / top-p);
 2. selection (only rows with top-k / top-p, and rows asking for top-k logprobs): histogram
    passes narrowing the boundary bin, then a gather pass into a scratch list of at most
    ``CAP`` candidates, sorted exactly; top-k takes the k-th value, top-p the tie-extended
    prefix whose strictly-greater mass is ``< p`` of the mass kept by top-k (SAMPLER_SPEC §2);
-3. the draw: Gumbel-max over the kept candidates when they were all gathered, else one pass
-   over the row skipping tiles with nothing kept; greedy rows already have their token;
+3. the draw: Gumbel-max over the kept candidates when they were all gathered, else pass 1's
+   draw when every finite value is kept, else one pass over the row; a draw pass computes the
+   noise's logarithms only for tiles that could hold the winner (:func:`_draw_tile`); greedy
+   rows already have their token;
 4. logprobs: the sampled token's value in its mode, its rank (from the candidate list or a
    counting pass), the top-k list from the raw candidates.
 
