@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -239,6 +239,8 @@ def run_pipeline_triton(
     part = placeholder(dev, torch.float32)  # read only with SPLIT / HAS_DONE, set below
     part_i = done = placeholder(dev, torch.int32)
     chunked = cfg.chunked
+    split = False  # pass 1 ran as _stats_kernel: the fused kernel combines its chunks
+    block, warps = cfg.block, cfg.num_warps  # the fused kernel's launch
     if chunked:
         nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
                                    state, logits, idx_mapping, tok, lp, rank, topk_ids,
@@ -247,10 +249,10 @@ def run_pipeline_triton(
         if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
             return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
     elif cfg.split > 0 or (cfg.greedy_split and not plan.any_random and k == 0):
-        small = cfg.split <= 0  # the greedy split: small programs for both kernels
-        block, warps = (cfg.chunk_block, cfg.chunk_warps) if small else (cfg.block,
-                                                                          cfg.num_warps)
-        size = cfg.chunk if small else cfg.split
+        split = True
+        size = cfg.split
+        if size <= 0:  # the greedy split: small programs for both kernels
+            block, warps, size = cfg.chunk_block, cfg.chunk_warps, cfg.chunk
         chunk = max(block, size // block * block)
         nchunk = triton.cdiv(vocab, chunk)
         part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
@@ -259,8 +261,6 @@ def run_pipeline_triton(
                                       **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
                                       STAGES=cfg.stages,
                                       num_warps=warps, enable_fp_fusion=False)
-        if small:
-            cfg = replace(cfg, block=block, num_warps=warps, split=chunk)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
@@ -268,10 +268,10 @@ def run_pipeline_triton(
         *tables, cand, counters, part, part_i, nchunk, tok, lp, rank, topk_ids, topk_vals,
         kout, thr, done, **flags,
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
-        HIST=cfg.hist, SKIP=cfg.skip, BLOCK=cfg.block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
-        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or cfg.split > 0,
+        HIST=cfg.hist, SKIP=cfg.skip, BLOCK=block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
+        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or split,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
-        HAS_DONE=chunked, STAGES=cfg.stages, num_warps=cfg.num_warps,
+        HAS_DONE=chunked, STAGES=cfg.stages, num_warps=warps,
         # no fused multiply-adds: bin edges computed per element and per row round alike
         # (as under the interpreter), so a token on an edge never falls between two bins
         enable_fp_fusion=False,
