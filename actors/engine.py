@@ -140,28 +140,31 @@ class Engine:
 
     def _add(self, request_id: Any, prompt: Any, params: Any,
              token_logprobs: bool = False) -> None:
-        n, seed = self.inputs.describe(request_id, params)
         try:
             hash(request_id)
         except TypeError:
-            self._ready += self.outputs.error_outputs(
-                request_id, n, f"request id {request_id!r:.80} is not hashable", seed=seed)
+            self._reject(request_id, params, f"request id {request_id!r:.80} is not hashable")
             return
         if request_id in self._requests:
-            self._ready += self.outputs.error_outputs(
-                request_id, n, f"request id {request_id!r} is already running", seed=seed)
+            self._reject(request_id, params, f"request id {request_id!r} is already running")
             return
         try:
             request = self.inputs.build(request_id, prompt, params, next(self._arrivals))
         except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
             logger.debug("request %r rejected: %s", request_id, exc)
-            self._ready += self.outputs.error_outputs(request_id, n, str(exc), seed=seed)
+            self._reject(request_id, params, str(exc))
             return
         request.token_logprobs = token_logprobs
         seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
         request.sequences.append(seq)
         self._requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _reject(self, request_id: Any, params: Any, reason: str) -> None:
+        """Error outputs for a request that cannot run (n and seed as far as its params can
+        be read: they are parsed only here, off the path of good requests)."""
+        n, seed = self.inputs.describe(request_id, params)
+        self._ready += self.outputs.error_outputs(request_id, n, reason, seed=seed)
 
     def _abort(self, request_id: Any) -> None:
         request = self._requests.get(request_id)

@@ -82,8 +82,8 @@ class InputProcessor:
         elif isinstance(prompt, (list, tuple)) or (
                 hasattr(prompt, "tolist") and getattr(prompt, "ndim", 0) == 1):
             ids = _as_token_ids(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got "
                                  f"{bad[:5]}")
         else:
@@ -133,7 +133,11 @@ class InputProcessor:
         return out
 
 
-def _as_token_ids(values: list[Any]) -> list[int]:
+def _as_token_ids(values: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """The ids as Python ints (numpy / torch scalars converted); raises on anything else,
+    bools included."""
+    if set(map(type, values)) <= _PLAIN_INT:  # the usual list of ints: one C-level pass
+        return list(values)
     out = []
     for v in values:
         if hasattr(v, "item") and not isinstance(v, (list, tuple)):
@@ -142,3 +146,6 @@ def _as_token_ids(values: list[Any]) -> list[int]:
             raise ValueError(f"prompt: token ids must be integers, got {v!r}")
         out.append(v)
     return out
+
+
+_PLAIN_INT = frozenset({int})

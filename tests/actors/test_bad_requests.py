@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from sampler import SamplingParams
 from tests.actors.helpers import by_id, make_engine
 
@@ -25,6 +27,10 @@ BAD = [
     ("stop_id_out_of_vocab", [5, 6], {"stop_token_ids": [600]}, r"vocab size 512"),
     ("bias_out_of_vocab", [5, 6], {"logit_bias": {9999: 1.0}}, r"vocab size 512"),
     ("params_not_json", [5, 6], "{not json", r"not valid JSON"),
+    ("bool_id", [5, True], GOOD, r"token ids must be integers, got True"),
+    ("bool_array", np.array([True, False]), GOOD, r"token ids must be integers"),
+    ("float_array", np.array([5.0, 6.0]), GOOD, r"token ids must be integers"),
+    ("array_out_of_vocab", np.array([5, 512], np.int64), GOOD, r"must be in \[0, 512\)"),
 ]
 
 
@@ -63,3 +69,17 @@ def test_add_request_never_raises_and_errors_come_from_step(tiny_llama):
     while engine.has_unfinished_requests():
         rest += engine.step()
     assert [(o.id, o.finish_reason) for o in rest] == [("dup", "length")]
+
+
+def test_token_id_prompts_of_any_sequence_type_run_alike(tiny_llama):
+    ids = [5, 6, 7, 300]
+    prompts = {"list": ids, "tuple": tuple(ids), "int64": np.array(ids, np.int64),
+               "int32": np.array(ids, np.int32), "numpy_scalars": [np.int64(t) for t in ids]}
+    outs = by_id(make_engine(tiny_llama).generate(
+        [(name, prompt, GOOD) for name, prompt in prompts.items()]))
+    expected = outs[("list", 0)].output_token_ids
+    assert len(expected) == GOOD.max_tokens
+    for name in prompts:
+        assert outs[(name, 0)].error is None, (name, outs[(name, 0)].error)
+        assert outs[(name, 0)].num_prompt_tokens == len(ids)
+        assert outs[(name, 0)].output_token_ids == expected, name
