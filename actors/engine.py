@@ -29,7 +29,18 @@ from actors.weights import WeightLoader
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "StepCounters"]
+__all__ = ["BuiltRequests", "Engine", "EngineConfig", "StepCounters"]
+
+
+@dataclass(slots=True)
+class BuiltRequests:
+    """Requests validated and tokenized ahead of ``Engine.add_requests`` (``build_requests``):
+    queue items, one per request."""
+
+    items: list[tuple]
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 @dataclass(slots=True)
@@ -85,7 +96,7 @@ class Engine:
         self._requests: dict[Any, Request] = {}
         self._inflight: InflightStep | None = None
         self._ready: list[GenerationOutput] = []
-        self._inbox: list[tuple[str, Any, Any, Any]] = []
+        self._inbox: list[tuple] = []  # ("add" | "built" | "reject" | "abort", id, ...)
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
         self._arrivals = itertools.count()
@@ -104,14 +115,28 @@ class Engine:
         with self._inbox_lock:
             self._inbox.append(("add", request_id, prompt, params, bool(token_logprobs)))
 
-    def add_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
+    def build_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
+                       token_logprobs: bool = False) -> BuiltRequests:
+        """Validates and tokenizes ``[(request_id, prompt, params)]`` on the calling thread
+        for a later ``add_requests`` (thread-safe; never raises for bad request data: those
+        requests come back from ``step()`` as error outputs, as with ``add_request``). The
+        stepping thread then only queues them: an engine server builds the next batch on the
+        thread that hands it in, while the engine still runs the previous one."""
+        return BuiltRequests([self._build(rid, prompt, params, token_logprobs)
+                              for rid, prompt, params in requests])
+
+    def add_requests(self, requests: Iterable[tuple[Any, Any, Any]] | BuiltRequests, *,
                      fresh_prefix_cache: bool = False) -> None:
-        """Queues ``[(request_id, prompt, params)]`` in one go (thread-safe): the next
-        ``step()`` admits all of them, so no step ever sees part of the batch.
-        ``fresh_prefix_cache`` first forgets the prefix cache (waiting for a running step);
-        called while no request is unfinished, it makes the batch's schedule, and so its
-        results, depend on the batch alone and not on what ran before it."""
-        items = [("add", rid, prompt, params) for rid, prompt, params in requests]
+        """Queues ``[(request_id, prompt, params)]`` (or what ``build_requests`` made of
+        them) in one go (thread-safe): the next ``step()`` admits all of them, so no step
+        ever sees part of the batch. ``fresh_prefix_cache`` first forgets the prefix cache
+        (waiting for a running step); called while no request is unfinished, it makes the
+        batch's schedule, and so its results, depend on the batch alone and not on what ran
+        before it."""
+        if isinstance(requests, BuiltRequests):
+            items = requests.items
+        else:
+            items = [("add", rid, prompt, params) for rid, prompt, params in requests]
         if fresh_prefix_cache:
             with self._step_lock:
                 self.scheduler.bm.reset_prefix_cache()
@@ -132,29 +157,40 @@ class Engine:
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             inbox, self._inbox = self._inbox, []
-        for kind, request_id, prompt, params, *extra in inbox:
+        for item in inbox:
+            kind = item[0]
             if kind == "add":
-                self._add(request_id, prompt, params, *extra)
+                item = self._build(*item[1:])
+                kind = item[0]
+            if kind == "built":
+                self._add(item[2])
+            elif kind == "reject":
+                self._reject(*item[1:])
             else:
-                self._abort(request_id)
+                self._abort(item[1])
 
-    def _add(self, request_id: Any, prompt: Any, params: Any,
-             token_logprobs: bool = False) -> None:
+    def _build(self, request_id: Any, prompt: Any, params: Any,
+               token_logprobs: bool = False) -> tuple:
+        """("built", id, Request) or ("reject", id, params, reason); any thread."""
         try:
             hash(request_id)
         except TypeError:
-            self._reject(request_id, params, f"request id {request_id!r:.80} is not hashable")
-            return
-        if request_id in self._requests:
-            self._reject(request_id, params, f"request id {request_id!r} is already running")
-            return
+            return ("reject", request_id, params, f"request id {request_id!r:.80} is not hashable")
         try:
-            request = self.inputs.build(request_id, prompt, params, next(self._arrivals))
+            request = self.inputs.build(request_id, prompt, params, -1)
         except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
             logger.debug("request %r rejected: %s", request_id, exc)
-            self._reject(request_id, params, str(exc))
-            return
+            return ("reject", request_id, params, str(exc))
         request.token_logprobs = token_logprobs
+        return ("built", request_id, request)
+
+    def _add(self, request: Request) -> None:
+        request_id = request.request_id
+        if request_id in self._requests:
+            self._reject(request_id, request.params,
+                         f"request id {request_id!r} is already running")
+            return
+        request.arrival = next(self._arrivals)
         seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
         request.sequences.append(seq)
         self._requests[request_id] = request

@@ -2,8 +2,10 @@
 
 An actor runs ``process_shard`` calls on a few threads (Ray ``max_concurrency``). Each call
 hands its requests to the one :class:`EngineServer` of the actor and blocks until they are all
-finished, while the loop thread alone drives the engine. A call's requests are queued in one
-go (``Engine.add_requests``), so a step sees all of them or none. Two ways to share:
+finished, while the loop thread alone drives the engine. A call's requests are validated and
+tokenized on the calling thread (``Engine.build_requests``: the engine may still be running the
+previous call's) and queued in one go (``Engine.add_requests``), so a step sees all of them or
+none. Two ways to share:
 
 - shared (``exclusive=False``): new requests join the running batch between steps, so the
   next shard fills the engine while the previous one finishes its long tail; which requests
@@ -40,7 +42,7 @@ class _Batch:
     """The requests of one caller and the outputs gathered for them so far."""
 
     def __init__(self, requests: Sequence[tuple[str, Any, Any]], exclusive: bool) -> None:
-        self.requests = requests
+        self.requests: Any = requests  # or the engine's BuiltRequests of them
         self.exclusive = exclusive
         self.expected = {rid: int(getattr(params, "n", 1) or 1) for rid, _, params in requests}
         self.received: dict[str, int] = dict.fromkeys(self.expected, 0)
@@ -98,6 +100,9 @@ class EngineServer:
         batch = _Batch(requests, exclusive)
         if not batch.expected:
             return []
+        build = getattr(self._engine, "build_requests", None)
+        if build is not None:  # validated and tokenized here, not on the loop thread
+            batch.requests = build(requests)
         with self._cond:
             if self._broken is not None:
                 raise EngineFailure(f"engine failed earlier: {self._broken!r}")

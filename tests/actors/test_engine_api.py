@@ -147,6 +147,39 @@ def test_add_request_from_other_threads_while_stepping(tiny_llama):
     assert got == expected
 
 
+def test_requests_built_on_another_thread_run_as_queued_ones(tiny_llama):
+    """build_requests on a second thread while the engine steps, then add_requests: the same
+    outputs, errors and duplicate handling as requests queued raw."""
+    params = SamplingParams(temperature=0.7, max_tokens=5, seed=2, ignore_eos=True)
+    batch = [(i, [5 + i, 6, 7], params) for i in range(6)] + [
+        ("bad_ids", [5, 9999], params), ("bad_params", [5, 6], {"temperature": -1}),
+        (["unhashable"], [5, 6], params), (0, [8, 9], params)]  # 0 twice: already running
+    plain = make_engine(tiny_llama, max_num_seqs=4)
+    plain.add_requests(batch)
+    expected = sorted((repr(o.id), o.sample_index, o.finish_reason, o.error,
+                       o.output_token_ids) for o in drain(plain))
+
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    engine.add_requests([("other", [7, 7, 7], LONG.replace(max_tokens=12))])
+    engine.step()
+    built = []
+    builder = threading.Thread(target=lambda: built.append(engine.build_requests(batch)))
+    builder.start()
+    outs = []
+    while builder.is_alive():
+        outs += engine.step()
+    builder.join()
+    assert len(built[0]) == len(batch)
+    engine.add_requests(built[0])
+    outs += drain(engine)
+    got = sorted((repr(o.id), o.sample_index, o.finish_reason, o.error, o.output_token_ids)
+                 for o in outs if o.id != "other")
+    assert got == expected
+    errors = {rid: err for rid, _, reason, err, _ in got if reason == "error"}
+    assert set(errors) == {"'bad_ids'", "'bad_params'", "['unhashable']", "0"}
+    assert "already running" in errors["0"] and "not hashable" in errors["['unhashable']"]
+
+
 def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.add_request("other", [5, 6], SamplingParams(max_tokens=2, seed=0, ignore_eos=True))
