@@ -108,7 +108,10 @@ class ModelRunner:
         seq_lens = starts + lens
         slot_list = [s.slot for s in seqs]
         slots = np.array(slot_list, np.int64)
-        self.tables.update(slot_list, [s.block_table for s in seqs])
+        # only sequences admitted, forked or given pages since their last step can have a
+        # new slot or table (the scheduler lists them); every other row is up to date
+        changed = sched.table_seqs
+        self.tables.update([s.slot for s in changed], [s.block_table for s in changed])
         max_blocks = int(-(-seq_lens.max() // bs))
         block_tables = self.tables.gather(slots, max_blocks)
         slot_mapping = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs

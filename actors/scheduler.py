@@ -54,6 +54,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src page, dst page)
     scheduled_ids: set[int] = field(default_factory=set)  # seq_id of every sequence in the step
+    # sequences whose slot or block table may have changed since they were last scheduled
+    # (admitted, forked, given pages); every other chunk of the step is a decode that kept both
+    table_seqs: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
@@ -174,7 +177,8 @@ class Scheduler:
             if need <= 0 and start >= seq.num_prompt and seq.fanout == 1 and not (
                     prefix_caching and self._blocks_to_register(seq, after)):
                 # the common decode chunk: no pages, no prompt rows, no fork, no new full
-                # block (what _schedule_chunk does for it, inlined)
+                # block (what _schedule_chunk does for it, inlined; its slot and block table
+                # are as when it was last scheduled, so it is not in out.table_seqs)
                 seq.num_computed_tokens = after
                 seqs_out.append(seq)
                 starts.append(start)
@@ -255,6 +259,7 @@ class Scheduler:
         fork_pages = self._fork_pages(seq, after) if seq.fanout > 1 else 0
         if need > fork_pages:
             seq.block_table.extend(self.bm.allocate(need - fork_pages))
+        out.table_seqs.append(seq)
         seq.num_computed_tokens = after
         chunk_idx = out.add_chunk(seq, start, num_new)
         num_prompt = seq.num_prompt
@@ -288,6 +293,7 @@ class Scheduler:
                 out.copies.append((parent.block_table[full], page))
                 child.block_table.append(page)
             child.slot = parent.reserved_slots.pop()
+            out.table_seqs.append(child)
             self.running.append(child)
             out.scheduled_ids.add(child.seq_id)
             out.admitted.append(child)
