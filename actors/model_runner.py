@@ -127,9 +127,11 @@ class ModelRunner:
         sample_rows, sample_inverse = _EMPTY, None
         if sched.sample_seqs:
             chunk_rows = np.asarray(sched.sample_chunks, np.int64)
-            unique, inverse = np.unique(chunk_rows, return_inverse=True)
-            sample_rows = last_index[unique]
-            if len(unique) != len(chunk_rows):  # forked samples share their parent's row
+            if (chunk_rows[1:] > chunk_rows[:-1]).all():  # no fork this step: rows as listed
+                sample_rows = last_index[chunk_rows]
+            else:  # forked samples share their parent's row
+                unique, inverse = np.unique(chunk_rows, return_inverse=True)
+                sample_rows = last_index[unique]
                 sample_inverse = inverse.reshape(-1).astype(np.int64)
         return StepInputs(
             input_ids=input_ids,

@@ -17,7 +17,6 @@ attention kernels see the same shapes whatever its batch-mates.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,17 +123,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes: list[Sequence] = []
         prefills: list[Sequence] = []
-        for s in self.running:
-            left = len(s.token_ids) - s.num_computed_tokens
-            if left == 1:
-                decodes.append(s)
-            elif left > 1:
-                prefills.append(s)
         if self.batch_invariant:
+            decodes: list[Sequence] = []
+            for s in self.running:
+                left = len(s.token_ids) - s.num_computed_tokens
+                if left == 1:
+                    decodes.append(s)
+                elif left > 1:
+                    prefills.append(s)
             return self._schedule_invariant(decodes, prefills, out)
-        budget = self._schedule_running(itertools.chain(decodes, prefills), budget, out)
+        # decodes in running order, then the unfinished prefills: one pass over the running
+        # sequences schedules the decodes and sets the prefills aside (a copy of the list:
+        # preemption removes from it)
+        budget = self._schedule_running(list(self.running), budget, out, prefills)
+        if prefills and budget:
+            budget = self._schedule_running(prefills, budget, out)
         if not out.preempted:
             self._admit(budget, out)
         self.stats.num_steps += 1
@@ -153,24 +157,32 @@ class Scheduler:
         self.stats.num_steps += 1
         return out
 
-    def _schedule_running(self, seqs, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_running(self, seqs, budget: int, out: SchedulerOutput,
+                          prefills: list[Sequence] | None = None) -> int:
         """Schedules running sequences in order while the budget lasts; returns what is
-        left of it."""
+        left of it. With ``prefills``, schedules only the decodes (one token left) and
+        appends the sequences with more than one token left to it."""
         bm, bs, max_len = self.bm, self.block_size, self.max_model_len
         running = SeqStatus.RUNNING
         prefix_caching = bm.enable_prefix_caching
         seqs_out, starts, nums = out.seqs, out.starts, out.num_new
         scheduled = out.scheduled_ids
         sample_seqs, sample_chunks = out.sample_seqs, out.sample_chunks
+        split = prefills is not None
+        added = 0  # tokens of the inlined decode chunks (added to out.num_tokens at the end)
         for seq in seqs:  # inlined per-sequence checks:
             if budget == 0:                              # this loop runs for every running
                 break                                    # sequence at every step
             if seq.status is not running:
                 continue
             num_tokens = len(seq.token_ids)
+            start = seq.num_computed_tokens
+            if split and num_tokens - start != 1:
+                if num_tokens - start > 1:
+                    prefills.append(seq)
+                continue
             if num_tokens >= max_len or num_tokens >= seq.max_num_tokens:
                 continue  # is_generation_done
-            start = seq.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             after = start + num_new
             need = -(-after // bs) - len(seq.block_table)
@@ -184,7 +196,7 @@ class Scheduler:
                 starts.append(start)
                 nums.append(num_new)
                 scheduled.add(seq.seq_id)
-                out.num_tokens += num_new
+                added += num_new
                 budget -= num_new
                 if after == num_tokens:
                     sample_chunks.append(len(seqs_out) - 1)
@@ -204,6 +216,7 @@ class Scheduler:
                     continue
             self._schedule_chunk(seq, num_new, need, out)
             budget -= num_new
+        out.num_tokens += added
         return budget
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence | None:

@@ -175,7 +175,7 @@ def test_invalid_calls_name_the_argument():
     s.add_request(0, p, [1], seed=0)
     with pytest.raises(ValueError, match="slots"):
         s.sample(torch.zeros(1, 10), [1])  # slot 1 has no request
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(ValueError, match="slot appears twice"):
         s.sample(torch.zeros(2, 10), [0, 0])
     with pytest.raises(ValueError, match="logits"):
         s.sample(torch.zeros(1, 11), [0])
