@@ -1,7 +1,9 @@
 """The dispatch loop: a fixed pool of actors pulls shards, dead actors are replaced.
 
 Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has the next
-shard's requests while the current one drains. A shard whose attempt failed (its actor died,
+shard's requests while the current one drains. Each actor of the first pool gets its first
+shard with its constructor call (Ray queues it behind the constructor), so it starts reading
+rows the moment its model is up instead of a driver round trip later. A shard whose attempt failed (its actor died,
 its engine broke, or it raised) is retried alone on an idle actor, so a later failure is
 blamed on it and not on a bystander; after ``max_attempts`` its rows are written as error rows
 by the driver. A part-file write failure (the output storage) ends the job, and so does a shard
@@ -81,6 +83,8 @@ class Dispatcher:
         try:
             for slot in self._slots:
                 self._launch(slot)
+                if self._pending:  # queued behind its constructor: starts when the model is up
+                    self._submit(slot, *self._pending.popleft(), exclusive=False)
             while self._pending or self._retry or any(s.inflight for s in self._slots):
                 self._assign()
                 waiting = {ref: slot for slot in self._slots
@@ -119,6 +123,11 @@ class Dispatcher:
                                    f"last: {_first_line(exc)}") from exc
             logger.warning("%s died while starting (%s); starting it again", slot.name,
                            _first_line(exc))
+            # a shard queued behind the constructor never ran: it goes back, not counted as
+            # an attempt
+            self._pending.extendleft((t.shard_id, t.attempt)
+                                     for t in reversed(list(slot.inflight.values())))
+            slot.inflight.clear()
             self._kill(slot)
             self._launch(slot)
             return

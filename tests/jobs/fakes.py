@@ -143,3 +143,19 @@ class BrokenActor(FakeActor):
 
     def __init__(self, model: str, engine_config: Any = None) -> None:
         raise RuntimeError("cannot load the model on this worker")
+
+
+def dies_while_starting(token: str) -> type:
+    """A FakeActor whose process exits inside its constructor if it is the first to claim the
+    file ``token`` (one death while starting per job)."""
+
+    class DiesWhileStartingActor(FakeActor):
+        def __init__(self, model: str, engine_config: Any = None) -> None:
+            try:
+                os.rename(token, f"{token}.claimed-by-{os.getpid()}")
+            except FileNotFoundError:
+                super().__init__(model, engine_config)
+            else:
+                os._exit(1)
+
+    return DiesWhileStartingActor

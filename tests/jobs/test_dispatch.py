@@ -9,7 +9,7 @@ import pytest
 from jobs.manifest import MANIFEST, SUCCESS
 from jobs.runner import run_job
 from sampler import derive_seed
-from tests.jobs.fakes import BrokenActor, FakeActor
+from tests.jobs.fakes import BrokenActor, FakeActor, dies_while_starting
 from tests.jobs.helpers import part_stats, read_output, write_jsonl, write_parquet
 
 pytestmark = pytest.mark.ray
@@ -148,3 +148,24 @@ def test_actor_that_cannot_start_fails_the_job(ray_local, tiny_llama, tmp_path):
                                            "the model on this worker"):
         run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out"), actor_cls=BrokenActor,
                 progress=False)
+
+
+def test_shard_queued_on_an_actor_that_dies_while_starting_is_not_an_attempt(
+        ray_local, tiny_llama, tmp_path, caplog):
+    """Each first actor gets a shard with its constructor call; one dies in its constructor:
+    that shard goes back to the queue uncounted, and the job's output is the clean one."""
+    import logging
+
+    write_parquet(tmp_path / "in" / "a.parquet", _rows(21))
+    token = tmp_path / "die-token"
+    token.write_text("one death while starting")
+    caplog.set_level(logging.WARNING, logger="jobs.dispatch")
+    res = run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out"),
+                  actor_cls=dies_while_starting(str(token)), progress=False)
+    assert not token.exists(), "no actor died while starting"
+    assert any("died while starting" in r.getMessage() for r in caplog.records)
+    committed = json.loads((tmp_path / "out" / MANIFEST).read_text())["committed"]
+    assert sorted(map(int, committed)) == [0, 1, 2]
+    assert all(entry["attempt"] == 1 for entry in committed.values()), committed
+    assert res.shards_retried == 0 and res.errors == 0
+    assert read_output(tmp_path / "out").num_rows == res.rows == sum(_n(i) for i in range(21))
