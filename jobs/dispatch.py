@@ -3,11 +3,12 @@
 Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has the next
 shard's requests while the current one drains. Each actor of the first pool gets its first
 shard with its constructor call (Ray queues it behind the constructor), so it starts reading
-rows the moment its model is up instead of a driver round trip later. A shard whose attempt failed (its actor died,
-its engine broke, or it raised) is retried alone on an idle actor, so a later failure is
-blamed on it and not on a bystander; after ``max_attempts`` its rows are written as error rows
-by the driver. A part-file write failure (the output storage) ends the job, and so does a shard
-that runs out of attempts before any shard succeeded (a broken setup, not a bad shard).
+rows the moment its model is up instead of a driver round trip later. A shard whose attempt
+failed (its actor died, its engine broke, or it raised) is retried alone on an idle actor, so
+a later failure is blamed on it and not on a bystander; after ``max_attempts`` its rows are
+written as error rows by the driver. A part-file write failure (the output storage) ends the
+job, and so does a shard that runs out of attempts before any shard succeeded (a broken setup,
+not a bad shard).
 """
 
 from __future__ import annotations
