@@ -40,19 +40,58 @@ from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _o
 
 
 @triton.jit
-def _tile(
-    base, start, row, slot, V, W, T, lim,
+def _load_tile(base, start, lim, R: tl.constexpr, VEC: tl.constexpr):
+    """The raw logits of the ``[R, VEC]`` tile at ``start`` (in their dtype; -inf past
+    ``lim``)."""
+    offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    return tl.load(base + offs, mask=offs < lim, other=float("-inf"))
+
+
+@triton.jit
+def _first_tiles(base, lo, lim, R: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr):
+    """The tiles a row-pass loop over ``[lo, lim)`` requests before its first iteration
+    (``PREFETCH`` of them; placeholders for the rest)."""
+    if PREFETCH >= 1:
+        pre = _load_tile(base, lo, lim, R, VEC)
+    else:
+        pre = tl.zeros([R, VEC], dtype=base.dtype.element_ty)
+    if PREFETCH >= 2:
+        pre2 = _load_tile(base, lo + R * VEC, lim, R, VEC)
+    else:
+        pre2 = tl.zeros([R, VEC], dtype=base.dtype.element_ty)
+    return pre, pre2
+
+
+@triton.jit
+def _next_tile(base, start, lim, pre, pre2, R: tl.constexpr, VEC: tl.constexpr,
+               PREFETCH: tl.constexpr):
+    """(this tile's raw logits, the next ``pre``, ``pre2``). With PREFETCH = d > 0 the tile
+    was requested d iterations ahead and the one d tiles on is requested now, so loads are in
+    flight while a tile is processed (a row pass has block-wide reductions per tile, which
+    would otherwise leave one load's latency exposed per iteration)."""
+    if PREFETCH >= 2:
+        return pre, pre2, _load_tile(base, start + 2 * R * VEC, lim, R, VEC)
+    elif PREFETCH == 1:
+        return pre, _load_tile(base, start + R * VEC, lim, R, VEC), pre2
+    else:
+        return _load_tile(base, start, lim, R, VEC), pre, pre2
+
+
+@triton.jit
+def _tile_of(
+    loaded, start, row, slot, V, W, T, lim,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
 ):
-    """One ``[R, VEC]`` tile of ``[start, lim)``: (offsets, mask, raw fp32, processed fp32 before
-    T). ``V`` is the vocab size (the row stride of the per-slot tables)."""
+    """One ``[R, VEC]`` tile of ``[start, lim)`` from its loaded raw logits: (offsets, mask,
+    raw fp32, processed fp32 before T). ``V`` is the vocab size (the row stride of the
+    per-slot tables)."""
     offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     vmask = offs < lim
-    raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    raw = loaded.to(tl.float32)
     x = _processed(
         raw, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
@@ -62,6 +101,24 @@ def _tile(
     )
     x = tl.where(vmask, x, float("-inf"))
     return offs, vmask, raw, x
+
+
+@triton.jit
+def _tile(
+    base, start, row, slot, V, W, T, lim,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """:func:`_tile_of` of the tile loaded now."""
+    return _tile_of(
+        _load_tile(base, start, lim, R, VEC), start, row, slot, V, W, T, lim,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
 
 
 @triton.jit
@@ -104,7 +161,7 @@ def _stats_range(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
-    DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0,
+    DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0, PREFETCH: tl.constexpr = 1,
 ):
     """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
     log-sum-exp accumulators of the raw values and of raw / T. With ``draw1`` (a random row
@@ -123,11 +180,13 @@ def _stats_range(
     d_sv = tl.full([R], NEG, tl.float32)
     d_si = tl.zeros([R], dtype=tl.int32)
     d_ss = tl.full([R], NEG, tl.float32)
+    pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
-            row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
+        cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
+        offs, vmask, raw, x = _tile_of(
+            cur, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
+            pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         if greedy | (not ANY_RANDOM):
             tv = tl.max(x, 1)
@@ -299,7 +358,7 @@ def _scan(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
-    SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1,
+    SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
     Gumbel-max over the survivors strictly above ``floor`` (token, its value;
@@ -315,9 +374,11 @@ def _scan(
     acc_g = tl.zeros([R], dtype=tl.float32)
     acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
+    pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
+        cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
+        offs, vmask, raw, x = _tile_of(
+            cur, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
             NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -350,7 +411,7 @@ def _draw_then_verify(
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-    ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1,
+    ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
     """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
     then a pass that decides whether ``x`` is in the kept set.
@@ -376,14 +437,14 @@ def _draw_then_verify(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-        DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES)
+        DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES, PREFETCH=PREFETCH)
     known_z = (not k_on) | (n_valid <= top_k)
     ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
     if known_z & (s_x > NEG) & (not ok):
@@ -393,7 +454,7 @@ def _draw_then_verify(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES)
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
         rounds = 0
         while (not ok) & (rounds < ROUNDS):
             nxt, s_nxt, n_gt, m_gt, _n, _z, _b = _scan(
@@ -402,7 +463,7 @@ def _draw_then_verify(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-                DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES)
+                DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
             ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
             if not ok:
                 tok = nxt
@@ -436,6 +497,7 @@ def _fused_sampler_kernel(
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
     FAST: tl.constexpr, HAS_DONE: tl.constexpr, STAGES: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -504,7 +566,7 @@ def _fused_sampler_kernel(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1)
+            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH)
         if DRAW1:
             d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
     best_v, best_i = _best(acc_bv, acc_bi)
@@ -526,7 +588,7 @@ def _fused_sampler_kernel(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
-                STAGES=STAGES)
+                STAGES=STAGES, PREFETCH=PREFETCH)
 
     # ---------------------------------------------------------------- selection state machines
     v_k = NEG
@@ -588,9 +650,11 @@ def _fused_sampler_kernel(
             if r_phase == 1:
                 tl.store(ctr_r, 0)
             tl.debug_barrier()
+            pre, pre2 = _first_tiles(base, 0, V, R, VEC, PREFETCH)
             for start in range(0, V, BLOCK):
-                offs, vmask, raw, x = _tile(
-                    base, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                cur, pre, pre2 = _next_tile(base, start, V, pre, pre2, R, VEC, PREFETCH)
+                offs, vmask, raw, x = _tile_of(
+                    cur, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
                     freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
                     NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -758,7 +822,8 @@ def _fused_sampler_kernel(
                     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                     ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-                    DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES)
+                    DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES,
+                    PREFETCH=PREFETCH)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 
@@ -808,7 +873,7 @@ def _stats_kernel(
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
     """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
     batches still spread the first read of the logits over the whole GPU. Writes per-chunk
@@ -836,7 +901,7 @@ def _stats_kernel(
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-        STAGES=STAGES)
+        STAGES=STAGES, PREFETCH=PREFETCH)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)
     mt, lt = _lse_pair(acc_mt, acc_lt)

@@ -417,6 +417,45 @@ def test_kernel_variants_agree(hist, skip, split):
         set_launch_config(None)
 
 
+@pytest.mark.parametrize("split", [0, 512])
+def test_prefetch_depths_give_identical_outputs(split):
+    """The row-pass loops requesting tiles 0, 1 or 2 iterations ahead (``LaunchConfig.prefetch``;
+    several tiles per row, the last one partial): every output bit the same, and the torch
+    pipeline's results; with and without the draw-first paths."""
+    import dataclasses
+
+    from sampler.kernels.pipeline import launch_config, run_pipeline_triton, set_launch_config
+
+    base = dataclasses.replace(launch_config(1000), block=128, split=split)
+    rows, vocab = 9, 1000
+    sampler, slots = make_batch(91, rows, vocab)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 2
+    state, plan, idx = step_inputs(sampler, slots)
+    ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
+    outs = []
+    try:
+        for depth in (0, 1, 2):
+            set_launch_config(dataclasses.replace(base, prefetch=depth))
+            thr = torch.empty(rows, dtype=torch.float32, device=DEVICE)
+            outs.append((run_pipeline_triton(logits, idx, state, plan, inplace=False,
+                                             thresholds=thr), thr,
+                         run_pipeline_triton(logits, idx, state, plan, inplace=False)))
+    finally:
+        set_launch_config(None)
+    for out, thr, fast in outs:
+        assert_same(ref, out)
+        assert_same(out, fast)
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    for out, thr, fast in outs[1:]:
+        for a, b in ((out, outs[0][0]), (fast, outs[0][2])):
+            assert torch.equal(a.token_ids, b.token_ids)
+            torch.testing.assert_close(a.logprobs, b.logprobs, **exact)
+            assert torch.equal(a.ranks, b.ranks)
+            assert torch.equal(a.topk_ids, b.topk_ids)
+            torch.testing.assert_close(a.topk_values, b.topk_values, **exact)
+        torch.testing.assert_close(thr, outs[0][1], **exact)
+
+
 def _chunked_config(**over):
     from sampler.kernels.pipeline import LaunchConfig, launch_config
 
