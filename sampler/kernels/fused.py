@@ -34,7 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.noise import _gumbel, _gumbel_bits, _gumbel_of_bits, _row_key, LANE0, LANE1
+from sampler.kernels.noise import (LANE0, LANE1, _gumbel, _gumbel_bits, _gumbel_of_bits,
+                                   _gumbel_upper, _row_key)
 from sampler.kernels.process import _processed, _row_processing
 from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _order_key
 
@@ -162,6 +163,7 @@ def _stats_range(
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
     DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0, PREFETCH: tl.constexpr = 1,
+    TIGHT: tl.constexpr = True,
 ):
     """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
     log-sum-exp accumulators of the raw values and of raw / T. With ``draw1`` (a random row
@@ -180,6 +182,7 @@ def _stats_range(
     d_sv = tl.full([R], NEG, tl.float32)
     d_si = tl.zeros([R], dtype=tl.int32)
     d_ss = tl.full([R], NEG, tl.float32)
+    d_best = NEG
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
@@ -198,10 +201,15 @@ def _stats_range(
             acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
             if DRAW1:
                 if draw1:
-                    s = tl.math.div_rn(x, T)
-                    kept = s > NEG
-                    d_sv, d_si, d_ss = _draw_tile(tl.where(kept, s, NEG), kept, offs, k0, k1,
-                                                  d_sv, d_si, d_ss, True)
+                    if TIGHT:
+                        d_sv, d_si, d_ss, d_best = _draw_tile_lazy(
+                            x, T, 1.0 / T, NEG, NEG, offs, k0, k1, d_sv, d_si, d_ss, d_best)
+                    else:
+                        s = tl.math.div_rn(x, T)
+                        kept = s > NEG
+                        d_sv, d_si, d_ss, d_best = _draw_tile(
+                            tl.where(kept, s, NEG), kept, offs, k0, k1, d_sv, d_si, d_ss, d_best,
+                            True, False)
         if ANY_LP:
             if lp_on:
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
@@ -314,27 +322,73 @@ def _noise_bound(sk, kept, bits):
 
 
 @triton.jit
-def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, SKIP: tl.constexpr):
+def _draw_update(sk, kept, bits, offs, acc_sv, acc_si, acc_ss):
+    """The Gumbel-max accumulators (best score, its token, its value per lane) updated with a
+    ``[R, VEC]`` tile's kept tokens (values ``sk``, hash bits ``bits``)."""
+    score = tl.where(kept, sk + _gumbel_of_bits(bits), float("-inf"))
+    am = tl.argmax(score, 1)
+    tv = tl.max(score, 1)
+    col = tl.arange(0, sk.shape[1])[None, :]
+    ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
+    upd = tv > acc_sv
+    acc_sv = tl.where(upd, tv, acc_sv)
+    acc_si = tl.where(upd, tl.min(offs, 1) + am, acc_si)
+    acc_ss = tl.where(upd, ts, acc_ss)
+    return acc_sv, acc_si, acc_ss
+
+
+@triton.jit
+def _token_bound(sk, kept, bits):
+    """An upper bound on the largest ``sk + noise`` over the kept tokens of a tile: each
+    token's ``sk`` plus :func:`_gumbel_upper` of its own bits, with slack for the rounding of
+    the noise, of the sum and of ``sk`` itself (callers may pass ``x * (1 / T)`` for
+    ``x / T``). ``-inf`` when nothing is kept."""
+    up = _gumbel_upper(bits)  # > 0.36
+    ub = (sk + up) + ((tl.abs(sk) + up) * 1e-5 + 1e-3)
+    return tl.max(tl.max(tl.where(kept, ub, float("-inf")), 1), 0)
+
+
+@triton.jit
+def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best, SKIP: tl.constexpr,
+               TIGHT: tl.constexpr = True):
     """One ``[R, VEC]`` tile into the per-lane Gumbel-max accumulators (best score, its token,
-    its value) over the tokens ``kept`` (values ``sk``). With SKIP the noise's logarithms are
-    computed only when a lane's bound (:func:`_noise_bound`) reaches the best score so far:
-    the hash bits are cheap, the logarithms are not."""
-    NEG = float("-inf")
+    its value) over the tokens ``kept`` (values ``sk``); ``best`` is the best score so far
+    (the accumulators' maximum, kept up to date here). With SKIP the noise's logarithms are
+    computed only when the tile's bound reaches ``best`` (the hash bits are cheap, the
+    logarithms are not): with TIGHT the bound of each token (:func:`_token_bound`), else each
+    lane's largest value plus the noise of its largest bits (:func:`_noise_bound`). A skipped
+    tile holds no score >= ``best``, so no tie is lost."""
     bits = _gumbel_bits(offs, k0, k1)
     go = True
     if SKIP:
-        go = tl.max(_noise_bound(sk, kept, bits), 0) >= tl.max(acc_sv, 0)
+        if TIGHT:
+            go = _token_bound(sk, kept, bits) >= best
+        else:
+            go = tl.max(_noise_bound(sk, kept, bits), 0) >= best
     if go:
-        score = tl.where(kept, sk + _gumbel_of_bits(bits), NEG)
-        am = tl.argmax(score, 1)
-        tv = tl.max(score, 1)
-        col = tl.arange(0, sk.shape[1])[None, :]
-        ts = tl.sum(tl.where(col == am[:, None], sk, 0.0), 1)
-        upd = tv > acc_sv
-        acc_sv = tl.where(upd, tv, acc_sv)
-        acc_si = tl.where(upd, tl.min(offs, 1) + am, acc_si)
-        acc_ss = tl.where(upd, ts, acc_ss)
-    return acc_sv, acc_si, acc_ss
+        acc_sv, acc_si, acc_ss = _draw_update(sk, kept, bits, offs, acc_sv, acc_si, acc_ss)
+        best = tl.max(acc_sv, 0)
+    return acc_sv, acc_si, acc_ss, best
+
+
+@triton.jit
+def _draw_tile_lazy(x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best):
+    """:func:`_draw_tile` (SKIP, TIGHT) over the tokens with ``thr <= x / T``, ``floor <
+    x / T`` and ``x / T > -inf``, dividing by T only in tiles that may hold the winner: the
+    bound takes ``x * (1 / T)`` (within a few ulp of the rounded quotient; the bound's slack
+    covers them) over a superset of those tokens."""
+    NEG = float("-inf")
+    bits = _gumbel_bits(offs, k0, k1)
+    xs = x * inv_t
+    d = tl.abs(xs) * 1e-5 + 1e-30
+    sup = (x > NEG) & (xs + d >= thr) & (xs + d > floor)
+    if _token_bound(xs, sup, bits) >= best:
+        s = tl.math.div_rn(x, T)
+        kept = (s >= thr) & (s > NEG) & (s > floor)
+        acc_sv, acc_si, acc_ss = _draw_update(tl.where(kept, s, NEG), kept, bits, offs,
+                                              acc_sv, acc_si, acc_ss)
+        best = tl.max(acc_sv, 0)
+    return acc_sv, acc_si, acc_ss, best
 
 
 @triton.jit
@@ -359,6 +413,7 @@ def _scan(
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
     SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
+    TIGHT: tl.constexpr = True,
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
     Gumbel-max over the survivors strictly above ``floor`` (token, its value;
@@ -374,6 +429,7 @@ def _scan(
     acc_g = tl.zeros([R], dtype=tl.float32)
     acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
+    best = float("-inf")
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
@@ -382,12 +438,17 @@ def _scan(
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
             NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        s = tl.math.div_rn(x, T)
-        valid = (s >= thr) & (s > NEG)
-        if DRAW:
-            kept = valid & (s > floor)
-            acc_sv, acc_si, acc_ss = _draw_tile(tl.where(kept, s, NEG), kept, offs, k0, k1,
-                                                acc_sv, acc_si, acc_ss, SKIP)
+        if DRAW & SKIP & TIGHT & (not COUNT):  # a draw alone: divide only where it may win
+            acc_sv, acc_si, acc_ss, best = _draw_tile_lazy(
+                x, T, 1.0 / T, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
+        else:
+            s = tl.math.div_rn(x, T)
+            valid = (s >= thr) & (s > NEG)
+            if DRAW:
+                kept = valid & (s > floor)
+                acc_sv, acc_si, acc_ss, best = _draw_tile(
+                    tl.where(kept, s, NEG), kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best,
+                    SKIP, TIGHT)
         if COUNT:
             gt = valid & (s > s_x)
             acc_c += tl.sum(gt.to(tl.int32), 1)
@@ -412,6 +473,7 @@ def _draw_then_verify(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
+    TIGHT: tl.constexpr = True,
 ):
     """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
     then a pass that decides whether ``x`` is in the kept set.
@@ -437,14 +499,16 @@ def _draw_then_verify(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
+            PREFETCH=PREFETCH, TIGHT=TIGHT)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-        DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES, PREFETCH=PREFETCH)
+        DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES,
+        PREFETCH=PREFETCH, TIGHT=TIGHT)
     known_z = (not k_on) | (n_valid <= top_k)
     ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
     if known_z & (s_x > NEG) & (not ok):
@@ -454,7 +518,8 @@ def _draw_then_verify(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
+            DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
+            PREFETCH=PREFETCH, TIGHT=TIGHT)
         rounds = 0
         while (not ok) & (rounds < ROUNDS):
             nxt, s_nxt, n_gt, m_gt, _n, _z, _b = _scan(
@@ -463,7 +528,8 @@ def _draw_then_verify(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-                DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES, PREFETCH=PREFETCH)
+                DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES,
+                PREFETCH=PREFETCH, TIGHT=TIGHT)
             ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
             if not ok:
                 tok = nxt
@@ -497,7 +563,7 @@ def _fused_sampler_kernel(
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
     FAST: tl.constexpr, HAS_DONE: tl.constexpr, STAGES: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, TIGHT: tl.constexpr = True,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -566,7 +632,7 @@ def _fused_sampler_kernel(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH)
+            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH, TIGHT=TIGHT)
         if DRAW1:
             d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
     best_v, best_i = _best(acc_bv, acc_bi)
@@ -588,7 +654,7 @@ def _fused_sampler_kernel(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
-                STAGES=STAGES, PREFETCH=PREFETCH)
+                STAGES=STAGES, PREFETCH=PREFETCH, TIGHT=TIGHT)
 
     # ---------------------------------------------------------------- selection state machines
     v_k = NEG
@@ -823,7 +889,7 @@ def _fused_sampler_kernel(
                     ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
                     DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES,
-                    PREFETCH=PREFETCH)
+                    PREFETCH=PREFETCH, TIGHT=TIGHT)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 
@@ -873,7 +939,7 @@ def _stats_kernel(
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1, TIGHT: tl.constexpr = True,
 ):
     """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
     batches still spread the first read of the logits over the whole GPU. Writes per-chunk
@@ -901,7 +967,7 @@ def _stats_kernel(
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-        STAGES=STAGES, PREFETCH=PREFETCH)
+        STAGES=STAGES, PREFETCH=PREFETCH, TIGHT=TIGHT)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)
     mt, lt = _lse_pair(acc_mt, acc_lt)

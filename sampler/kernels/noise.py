@@ -67,6 +67,22 @@ def _gumbel_of_bits(b):
 
 
 @triton.jit
+def _gumbel_upper(b):
+    """A cheap upper bound on :func:`_gumbel_of_bits` (no logarithm): below half of the bits
+    the noise is at most ``-log(log 2) = 0.36651...``; above, ``E = -log1p(-y) >= y``, so the
+    noise is at most ``-log(y) = -ln 2 * log2(y)``, and ``log2(y) >= e + (m - 1)`` for
+    ``y = m * 2**e`` (``log2`` is concave on ``[1, 2]``): 0.06 above ``-log(y)`` at most.
+    Callers add slack for the rounding of both sides."""
+    low = b < 2147483648
+    c = tl.where(low, b, 4294967295 - b)
+    y = (2 * c + 1).to(tl.float32) * 1.1641532182693481e-10
+    yb = y.to(tl.int32, bitcast=True)
+    e = ((yb >> 23) - 127).to(tl.float32)
+    m = ((yb & 8388607) | 1065353216).to(tl.float32, bitcast=True)
+    return tl.where(low, 0.36652, -0.6931472 * (e + (m - 1.0)))
+
+
+@triton.jit
 def _gumbel(ids, k0, k1):
     """Gumbel noise of token ids (int32 tensor) for one row's keys (uint32 scalars)."""
     return _gumbel_of_bits(_gumbel_bits(ids, k0, k1))
@@ -121,6 +137,25 @@ def _noise_of_bits_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
     m = offs < N
     b = tl.load(bits_ptr + offs, mask=m, other=0).to(tl.uint32)
     tl.store(out_ptr + offs, _gumbel_of_bits(b), mask=m)
+
+
+@triton.jit
+def _noise_upper_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    b = tl.load(bits_ptr + offs, mask=m, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, _gumbel_upper(b), mask=m)
+
+
+def noise_upper_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`_gumbel_upper` of given 32-bit hash values (int64 in ``[0, 2**32)``), float32:
+    the bound the sampling passes skip tiles by (tests check it against the noise)."""
+    flat = bits.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=bits.device)
+    if flat.numel():
+        _noise_upper_kernel[(triton.cdiv(flat.numel(), 1024),)](
+            flat, out, flat.numel(), BLOCK=1024, enable_fp_fusion=False)
+    return out.reshape(bits.shape)
 
 
 def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -350,6 +350,7 @@ def test_draws_follow_the_oracle_distribution(fake):
     slots, steps = 1000, 20
     params = PARAMS.replace(seed=-1)  # unseeded: eligible
     sampler = Sampler(slots, VOCAB, device="cpu", eos_token_ids=[0], backend="flashinfer")
+    sampler._run._seed.fill_(2024)  # a fixed Philox stream: the test's outcome is reproducible
     for slot in range(slots):
         sampler.add_request(slot, params, [1, 2, 3], seed=derive_seed(99, slot))
     counts = np.zeros(VOCAB, dtype=np.int64)

@@ -277,6 +277,25 @@ def test_noise_is_non_decreasing_in_the_bits():
     assert noise[0] < -3 and noise[-1] > 22  # both tails reached
 
 
+def test_noise_upper_bound_holds():
+    """The tile skip's per-token bound (``_gumbel_upper``) is above the noise of every hash
+    value, by less than 0.09 where the noise is large (the tokens that can win a draw), so the
+    1e-3 slack the passes add is for rounding only."""
+    from sampler.kernels.noise import noise_of_bits, noise_upper_of_bits
+
+    g = torch.Generator().manual_seed(4)
+    edges = torch.tensor([0, 1, 2, 2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 3, 2**32 - 2,
+                          2**32 - 1], dtype=torch.int64)
+    bits = torch.cat([torch.randint(0, 2**32, (1 << 15,), generator=g), edges,
+                      2**32 - 1 - torch.randint(0, 2**20, (1 << 12,), generator=g)])
+    noise = noise_of_bits(bits.to(DEVICE)).cpu()
+    upper = noise_upper_of_bits(bits.to(DEVICE)).cpu()
+    assert (upper - noise).min().item() >= -1e-6 * noise.abs().max().item()
+    large = noise > 3.0
+    assert large.sum() > 1000
+    assert (upper - noise)[large].max().item() < 0.09
+
+
 @pytest.mark.parametrize("greedy_split", [True, False])
 def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
     """An all-greedy step without top-k logprobs runs pass 1 over vocab chunks and the fused
