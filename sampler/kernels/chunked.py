@@ -37,8 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.fused import (_append, _best, _gumbel_max_of, _kth_largest, _lse,
-                                   _mode_value, _read_cands, _scan, _tile,
+from sampler.kernels.fused import (_append, _best, _gumbel_max_of, _kth_largest, _load_tile,
+                                   _lse, _mode_value, _read_cands, _scan, _tile_of,
                                    _top_p_within)
 from sampler.kernels.process import _row_processing
 from sampler.kernels.noise import LANE0, LANE1, _row_key
@@ -154,10 +154,10 @@ def _chunk_gather_kernel(
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK):
-        offs, vmask, raw, x = _tile(
-            base, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
-            pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+        offs, vmask, raw, x = _tile_of(
+            _load_tile(base, start, hi, R, VEC), start, row, slot, V, W, T, hi, pbits_ptr,
+            pmask_ptr, counts_ptr, rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr,
+            NBIAS, stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         if ANY_RANDOM:
             if sel_on:

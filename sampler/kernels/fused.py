@@ -105,24 +105,6 @@ def _tile_of(
 
 
 @triton.jit
-def _tile(
-    base, start, row, slot, V, W, T, lim,
-    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
-    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
-    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-):
-    """:func:`_tile_of` of the tile loaded now."""
-    return _tile_of(
-        _load_tile(base, start, lim, R, VEC), start, row, slot, V, W, T, lim,
-        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
-        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-
-
-@triton.jit
 def _mode_value(raw, mode, T, lse_r, lse_t):
     """Values of the raw-family logprobs modes: 0 raw_logprobs, 1 raw_logits, 4 temperature."""
     return tl.where(mode == 0, raw - lse_r,

@@ -71,7 +71,8 @@ def _gumbel_upper(b):
     """A cheap upper bound on :func:`_gumbel_of_bits` (no logarithm): below half of the bits
     the noise is at most ``-log(log 2) = 0.36651...``; above, ``E = -log1p(-y) >= y``, so the
     noise is at most ``-log(y) = -ln 2 * log2(y)``, and ``log2(y) >= e + (m - 1)`` for
-    ``y = m * 2**e`` (``log2`` is concave on ``[1, 2]``): 0.06 above ``-log(y)`` at most.
+    ``y = m * 2**e`` (``log2`` is concave on ``[1, 2]``), which puts the bound at most 0.06
+    above ``-log(y)``.
     Callers add slack for the rounding of both sides."""
     low = b < 2147483648
     c = tl.where(low, b, 4294967295 - b)
@@ -132,38 +133,24 @@ def compute_gumbel_noise(
 
 
 @triton.jit
-def _noise_of_bits_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _noise_of_bits_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr, UPPER: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     b = tl.load(bits_ptr + offs, mask=m, other=0).to(tl.uint32)
-    tl.store(out_ptr + offs, _gumbel_of_bits(b), mask=m)
+    if UPPER:
+        tl.store(out_ptr + offs, _gumbel_upper(b), mask=m)
+    else:
+        tl.store(out_ptr + offs, _gumbel_of_bits(b), mask=m)
 
 
-@triton.jit
-def _noise_upper_kernel(bits_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    b = tl.load(bits_ptr + offs, mask=m, other=0).to(tl.uint32)
-    tl.store(out_ptr + offs, _gumbel_upper(b), mask=m)
-
-
-def noise_upper_of_bits(bits: torch.Tensor) -> torch.Tensor:
-    """:func:`_gumbel_upper` of given 32-bit hash values (int64 in ``[0, 2**32)``), float32:
-    the bound the sampling passes skip tiles by (tests check it against the noise)."""
-    flat = bits.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(flat.shape, dtype=torch.float32, device=bits.device)
-    if flat.numel():
-        _noise_upper_kernel[(triton.cdiv(flat.numel(), 1024),)](
-            flat, out, flat.numel(), BLOCK=1024, enable_fp_fusion=False)
-    return out.reshape(bits.shape)
-
-
-def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
+def noise_of_bits(bits: torch.Tensor, *, upper: bool = False) -> torch.Tensor:
     """Triton twin of :func:`sampler.ops.gumbel.gumbel_from_bits` (fp32): the noise of given
-    32-bit hash values.
+    32-bit hash values; with ``upper``, the cheap bound on it that the sampling passes skip
+    tiles by (:func:`_gumbel_upper`).
 
     Args:
         bits: int64 tensor of values in ``[0, 2**32)``.
+        upper: return the bound instead of the noise.
 
     Returns:
         float32 tensor of the shape of ``bits``.
@@ -172,5 +159,5 @@ def noise_of_bits(bits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.float32, device=bits.device)
     if flat.numel():
         _noise_of_bits_kernel[(triton.cdiv(flat.numel(), 1024),)](
-            flat, out, flat.numel(), BLOCK=1024, enable_fp_fusion=False)
+            flat, out, flat.numel(), BLOCK=1024, UPPER=upper, enable_fp_fusion=False)
     return out.reshape(bits.shape)

@@ -281,7 +281,7 @@ def test_noise_upper_bound_holds():
     """The tile skip's per-token bound (``_gumbel_upper``) is above the noise of every hash
     value, by less than 0.09 where the noise is large (the tokens that can win a draw), so the
     1e-3 slack the passes add is for rounding only."""
-    from sampler.kernels.noise import noise_of_bits, noise_upper_of_bits
+    from sampler.kernels.noise import noise_of_bits
 
     g = torch.Generator().manual_seed(4)
     edges = torch.tensor([0, 1, 2, 2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 3, 2**32 - 2,
@@ -289,7 +289,7 @@ def test_noise_upper_bound_holds():
     bits = torch.cat([torch.randint(0, 2**32, (1 << 15,), generator=g), edges,
                       2**32 - 1 - torch.randint(0, 2**20, (1 << 12,), generator=g)])
     noise = noise_of_bits(bits.to(DEVICE)).cpu()
-    upper = noise_upper_of_bits(bits.to(DEVICE)).cpu()
+    upper = noise_of_bits(bits.to(DEVICE), upper=True).cpu()
     assert (upper - noise).min().item() >= -1e-6 * noise.abs().max().item()
     large = noise > 3.0
     assert large.sum() > 1000
