@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.sampler_bench import _gpu_time_ms, _triton_variant  # noqa: E402
+from benchmarks.sampler_bench import _gpu_time_ms, _triton_variant, _workload  # noqa: E402
 from sampler import AsyncOutput, Sampler, SamplingParams, derive_seed  # noqa: E402
 
 V = 151936
-FULL = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
-            frequency_penalty=0.2, presence_penalty=0.1, min_tokens=4, stop_token_ids=[1, 2],
-            logit_bias={3: 1.0, 4: -1.0}, logprobs=20)
+# sampler_bench's `full` workload: its params (the fields it sets) and its bad words
+_FULL = _workload("full", 0, V, random.Random(0))
+_DEFAULTS = SamplingParams().to_dict()
+FULL = {k: v for k, v in _FULL["params"].to_dict().items() if k != "seed" and v != _DEFAULTS[k]}
+BAD_WORDS = _FULL["bad_words"]
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 LISTS = ("min_tokens", "stop_token_ids", "logit_bias")
 
@@ -67,7 +69,7 @@ def run(case: str, batch: int, variant: str, prof: bool) -> dict:
             slot, SamplingParams(**params),
             [rng.randrange(V) for _ in range(256)] if prompt else [1, 2, 3],
             seed=derive_seed(0, slot),
-            bad_words_token_ids=[[5], [6, 7], [8, 9, 10]] if bad else ())
+            bad_words_token_ids=BAD_WORDS if bad else ())
     slots = torch.arange(batch)
     g = torch.Generator().manual_seed(0)
     src = (torch.randn(batch, V, generator=g) * 3).to(dev, torch.bfloat16)

@@ -165,6 +165,7 @@ def _stats_range(
     d_si = tl.zeros([R], dtype=tl.int32)
     d_ss = tl.full([R], NEG, tl.float32)
     d_best = NEG
+    inv_t = 1.0 / T
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
@@ -185,7 +186,7 @@ def _stats_range(
                 if draw1:
                     if TIGHT:
                         d_sv, d_si, d_ss, d_best = _draw_tile_lazy(
-                            x, T, 1.0 / T, NEG, NEG, offs, k0, k1, d_sv, d_si, d_ss, d_best)
+                            x, T, inv_t, NEG, NEG, offs, k0, k1, d_sv, d_si, d_ss, d_best)
                     else:
                         s = tl.math.div_rn(x, T)
                         kept = s > NEG
@@ -412,6 +413,7 @@ def _scan(
     acc_n = tl.zeros([R], dtype=tl.int32)
     acc_z = tl.zeros([R], dtype=tl.float32)
     best = float("-inf")
+    inv_t = 1.0 / T
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
@@ -422,7 +424,7 @@ def _scan(
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
         if DRAW & SKIP & TIGHT & (not COUNT):  # a draw alone: divide only where it may win
             acc_sv, acc_si, acc_ss, best = _draw_tile_lazy(
-                x, T, 1.0 / T, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
+                x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
         else:
             s = tl.math.div_rn(x, T)
             valid = (s >= thr) & (s > NEG)
@@ -921,7 +923,7 @@ def _stats_kernel(
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1, TIGHT: tl.constexpr = True,
+    STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
     """Pass 1 of the fused kernel split over vocab chunks (grid rows x chunks), so short
     batches still spread the first read of the logits over the whole GPU. Writes per-chunk
@@ -949,7 +951,7 @@ def _stats_kernel(
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-        STAGES=STAGES, PREFETCH=PREFETCH, TIGHT=TIGHT)
+        STAGES=STAGES, PREFETCH=PREFETCH)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)
     mt, lt = _lse_pair(acc_mt, acc_lt)

@@ -266,7 +266,7 @@ def run_pipeline_triton(
         part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
         _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, part, 1,
                                       **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
-                                      STAGES=cfg.stages, PREFETCH=cfg.prefetch, TIGHT=cfg.tight,
+                                      STAGES=cfg.stages, PREFETCH=cfg.prefetch,
                                       num_warps=warps, enable_fp_fusion=False)
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
