@@ -89,7 +89,8 @@ def _tile_of(
 ):
     """One ``[R, VEC]`` tile of ``[start, lim)`` from its loaded raw logits: (offsets, mask,
     raw fp32, processed fp32 before T). ``V`` is the vocab size (the row stride of the
-    per-slot tables)."""
+    per-slot tables). ``loaded`` holds -inf past ``lim`` (:func:`_load_tile`), so unprocessed
+    values need no mask of their own."""
     offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     vmask = offs < lim
     raw = loaded.to(tl.float32)
@@ -100,7 +101,8 @@ def _tile_of(
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
     )
-    x = tl.where(vmask, x, float("-inf"))
+    if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED:
+        x = tl.where(vmask, x, float("-inf"))
     return offs, vmask, raw, x
 
 
@@ -112,12 +114,20 @@ def _mode_value(raw, mode, T, lse_r, lse_t):
 
 
 @triton.jit
+def _exp(x):
+    """``exp(x)`` as ``2 ** (x * log2(e))`` with results below 2^-126 flushed to zero: the
+    value of ``tl.exp`` (the same scaling and hardware ``ex2``) without its subnormal
+    fix-up, which costs three more instructions a token on the GPU."""
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _online_lse(v, m, acc):
     """One tile into per-lane online log-sum-exp accumulators (m, acc) of shape [R]."""
     nm = tl.maximum(m, tl.max(v, 1))
     live = nm > float("-inf")
     safe = tl.where(live, nm, 0.0)
-    acc = tl.where(live, acc * tl.exp(m - safe) + tl.sum(tl.exp(v - safe[:, None]), 1), acc)
+    acc = tl.where(live, acc * _exp(m - safe) + tl.sum(_exp(v - safe[:, None]), 1), acc)
     return nm, acc
 
 
@@ -153,9 +163,8 @@ def _stats_range(
     x / T (:func:`_draw_tile`), the draw the fused kernel would otherwise make in a pass of
     its own."""
     NEG = float("-inf")
-    lane = tl.arange(0, R)
     acc_bv = tl.full([R], NEG, tl.float32)
-    acc_bi = tl.zeros([R], dtype=tl.int32)
+    acc_bs = tl.zeros([R], dtype=tl.int32) + lo  # start of the tile holding the lane's best
     acc_ms = tl.full([R], NEG, tl.float32)
     acc_mr = tl.full([R], NEG, tl.float32)
     acc_lr = tl.zeros([R], dtype=tl.float32)
@@ -174,12 +183,11 @@ def _stats_range(
             pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
             min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        if greedy | (not ANY_RANDOM):
+        if greedy | (not ANY_RANDOM):  # the index is found after the loop
             tv = tl.max(x, 1)
-            ti = start + lane * VEC + tl.argmax(x, 1)
             upd = tv > acc_bv
             acc_bv = tl.where(upd, tv, acc_bv)
-            acc_bi = tl.where(upd, ti, acc_bi)
+            acc_bs = tl.where(upd, start, acc_bs)
         else:  # divided by T after the loop (rounded division by T > 0 keeps the order)
             acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
             if DRAW1:
@@ -198,9 +206,47 @@ def _stats_range(
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
                 if mode == 4:
                     acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
-    if not (greedy | (not ANY_RANDOM)):
+    if greedy | (not ANY_RANDOM):
+        acc_bi = _lane_argmax(
+            base, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep,
+            freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+    else:
+        acc_bi = acc_bs
         acc_ms = tl.math.div_rn(acc_ms, T)
     return acc_bv, acc_bi, acc_ms, acc_mr, acc_lr, acc_mt, acc_lt, d_sv, d_si, d_ss
+
+
+@triton.jit
+def _lane_argmax(
+    base, tile_start, best, lim, row, slot, V, W,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """Each lane's greedy index: the lowest one of the lane's ``VEC`` tokens in the tile at
+    ``tile_start`` whose processed value equals ``best`` (the first tile where the lane's
+    maximum was reached; its tokens are read and processed again, to the same values). A
+    pass keeps only the tile start per tile, so the per-token arithmetic of an argmax stays
+    out of its loop."""
+    lane = tl.arange(0, R)
+    col = tl.arange(0, VEC)
+    offs = tile_start[:, None] + lane[:, None] * VEC + col[None, :]
+    vmask = offs < lim
+    raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    x = _processed(
+        raw, offs, vmask, row, slot, V, W,
+        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+    )
+    x = tl.where(vmask, x, float("-inf"))
+    j = tl.min(tl.where(x == best[:, None], col[None, :], VEC - 1), 1)
+    return tile_start + lane * VEC + j
 
 
 @triton.jit
@@ -275,7 +321,7 @@ def _top_p_within(vals, keep, m_s, top_p):
     ``keep`` a prefix): the last value of the tie-extended prefix whose strictly-greater mass
     is ``< p`` of the kept mass (SAMPLER_SPEC section 2)."""
     ii = tl.arange(0, vals.shape[0])
-    e = tl.where(keep, tl.exp(vals - m_s), 0.0)
+    e = tl.where(keep, _exp(vals - m_s), 0.0)
     c = tl.cumsum(e, 0)
     nk = tl.sum(keep.to(tl.int32), 0)
     limit = top_p * tl.sum(e, 0)
@@ -437,7 +483,7 @@ def _scan(
             gt = valid & (s > s_x)
             acc_c += tl.sum(gt.to(tl.int32), 1)
             if MASS | TOTAL:
-                e = tl.exp(s - m_s)
+                e = _exp(s - m_s)
                 if MASS:
                     acc_g += tl.sum(tl.where(gt, e, 0.0), 1)
                 if TOTAL:
@@ -716,7 +762,7 @@ def _fused_sampler_kernel(
                         b = tl.where(valid, _bin_of(d, p_lo, p_w, p_hi, NP), NP - 1)
                         cnt_p += _count_bins(b, jj, NP, HIST, R, VEC)
                         if ANY_MASS & p_mass:
-                            mss_p += _mass_bins(b, tl.exp(s - m_s), jj, NP, R)
+                            mss_p += _mass_bins(b, _exp(s - m_s), jj, NP, R)
                     else:
                         sel = valid & (d < p_hi) & (p_all | (d >= p_lo)) & (s >= p_t0)
                         _append(cand_p, ctr_p, sel, _order_key(s, offs), CAP)
@@ -809,7 +855,7 @@ def _fused_sampler_kernel(
                     else:
                         p_phase = 4
                 else:
-                    e = tl.where(inlist, tl.exp(vals - m_s), 0.0)
+                    e = tl.where(inlist, _exp(vals - m_s), 0.0)
                     c = tl.where(p_all, 0.0, p_mlo) + tl.cumsum(e, 0)  # mass through i
                     excl = c - e
                     limit = top_p * p_Z
