@@ -84,7 +84,7 @@ class StepExecutor:
             # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
             # backend's fallback): keep the raw ones for the extra logprobs
             raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
-            out = self.sampler.sample(logits, slots)
+            out = self.sampler.sample(logits, slots, device_slots=runner.sample_slots)
             if wants_extra:
                 step.token_logprobs = self._token_logprobs(raw, out.token_ids, sched.sample_seqs)
             step.output = AsyncOutput(out)

@@ -47,6 +47,7 @@ class StepInputs:
     max_seq_len: int
     sample_rows: np.ndarray = field(default_factory=lambda: _EMPTY)  # [U] rows that sample
     sample_inverse: np.ndarray | None = None    # [S] row of each sample among them (forks)
+    sample_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [S] sampler slots
 
 
 class ModelRunner:
@@ -74,6 +75,7 @@ class ModelRunner:
         self.fused = fused  # actors.fused_layers.FusedLayers installed in the model, or None
         self.sample_rows: torch.Tensor | None = None     # device copies of the step's
         self.sample_inverse: torch.Tensor | None = None  # sample_rows / sample_inverse
+        self.sample_slots: torch.Tensor | None = None    # / sample_slots
 
     def set_backend(self, backend: AttentionBackend) -> None:
         """Switches the attention backend (the engine probes with the torch reference)."""
@@ -124,8 +126,9 @@ class ModelRunner:
         else:
             pending_rows = _EMPTY
         last_index = cu[1:] - 1
-        sample_rows, sample_inverse = _EMPTY, None
+        sample_rows, sample_inverse, sample_slots = _EMPTY, None, _EMPTY
         if sched.sample_seqs:
+            sample_slots = np.array([s.slot for s in sched.sample_seqs], np.int64)
             chunk_rows = np.asarray(sched.sample_chunks, np.int64)
             if (chunk_rows[1:] > chunk_rows[:-1]).all():  # no fork this step: rows as listed
                 sample_rows = last_index[chunk_rows]
@@ -148,6 +151,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             sample_rows=sample_rows,
             sample_inverse=sample_inverse,
+            sample_slots=sample_slots,
         )
 
     # ------------------------------------------------------------------ device side
@@ -165,6 +169,7 @@ class ModelRunner:
         self.sample_rows = up(inputs.sample_rows)
         self.sample_inverse = (None if inputs.sample_inverse is None
                                else up(inputs.sample_inverse))
+        self.sample_slots = up(inputs.sample_slots)
 
     @torch.no_grad()
     def execute(self, inputs: StepInputs, prev_token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -172,7 +177,8 @@ class ModelRunner:
 
         ``prev_token_ids`` is the previous step's sampled ids on the device (needed when some
         inputs are PENDING). Also leaves the device copies of ``inputs.sample_rows`` /
-        ``sample_inverse`` in ``self.sample_rows`` / ``self.sample_inverse``.
+        ``sample_inverse`` / ``sample_slots`` in ``self.sample_rows`` / ``self.sample_inverse``
+        / ``self.sample_slots``.
         """
         if len(inputs.pending_index) and prev_token_ids is None:
             raise RuntimeError("pending decode inputs but no previous sampled ids")

@@ -140,17 +140,17 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouwb][pSPLIT][vVEC][gSTAGES][kBxW]`` selects a launch config
-    of the fused kernel (a tuning sweep): n = per-lane bin counts instead of tl.histogram, f = no
-    skipping of empty tiles in the sampling pass, s = the exact selection passes always (no
-    draw-then-verify), c = the chunked pipeline first (``sampler.kernels.chunked``; the fused
-    kernel takes the rows it leaves), o = no greedy split (all-greedy steps without top-k
-    logprobs in the fused kernel alone), u = no prefetch of the next tile in the row-pass
-    loops, w = two tiles ahead, b = the sampling passes' tile skip bounded per lane (not per
-    token), pSPLIT = pass 1 as a separate kernel over vocab
-    chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES = row-pass loops
-    software-pipelined STAGES deep, kBxW = tiles of B tokens and W warps for the chunked
-    pipeline's and the greedy split's kernels."""
+    """``triton@BLOCKxWARPS[xCAP][nfscouwb][pSPLIT][vVEC][gSTAGES][kBxW[xC]]`` selects a
+    launch config of the fused kernel (a tuning sweep): n = per-lane bin counts instead of
+    tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact selection
+    passes always (no draw-then-verify), c = the chunked pipeline first
+    (``sampler.kernels.chunked``; the fused kernel takes the rows it leaves), o = no greedy
+    split (all-greedy steps without top-k logprobs in the fused kernel alone), u = no prefetch
+    of the next tile in the row-pass loops, w = two tiles ahead, b = the sampling passes' tile
+    skip bounded per lane (not per token), pSPLIT = pass 1 as a separate kernel over
+    vocab chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES = row-pass
+    loops software-pipelined STAGES deep, kBxW[xC] = tiles of B tokens and W warps (and vocab
+    chunks of C tokens) for the chunked pipeline's and the greedy split's kernels."""
     import re
 
     if name.startswith("triton"):
@@ -158,7 +158,7 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwb]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?(?:k(\d+)x(\d+))?",
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwb]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?",
                              spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
@@ -177,13 +177,15 @@ def _triton_variant(name: str) -> None:
             if m[8]:
                 kw["chunk_block"] = int(m[8])
                 kw["chunk_warps"] = int(m[9])
+            if m[10]:
+                kw["chunk"] = int(m[10])
             set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)
 
 
 def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch.device,
-              dtype: torch.dtype, warmup: int, iters: int) -> dict:
+              dtype: torch.dtype, warmup: int, iters: int, device_slots: bool = False) -> dict:
     _triton_variant(backend)
     record = {"backend": backend, "workload": workload, "batch": batch, "vocab": vocab,
               "device": device.type, "dtype": str(dtype).replace("torch.", "")}
@@ -199,6 +201,10 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
         sampler.add_request(slot, params.replace(seed=-1), req.get("prompt", [1, 2, 3]),
                             seed=params.seed, bad_words_token_ids=req.get("bad_words", ()))
     slots = torch.arange(batch, dtype=torch.int64)
+    # --device-slots: a device copy of the slots comes with the step (as the engine's, uploaded
+    # with its step inputs), so the sampler makes no host-to-device copy of its own
+    extra = {"device_slots": slots.to(device)} if device_slots else {}
+    record["slots"] = "device" if device_slots else "host"
     g = torch.Generator(device="cpu").manual_seed(0)
     source = (torch.randn(batch, vocab, generator=g) * 3).to(device=device, dtype=dtype)
     work = torch.empty_like(source)
@@ -207,7 +213,7 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
         work.copy_(source)  # float32 logits are overwritten in place by the sampler
         _sync(device)
         start = time.perf_counter()
-        AsyncOutput(sampler.sample(work, slots)).get()
+        AsyncOutput(sampler.sample(work, slots, **extra)).get()
         elapsed = time.perf_counter() - start
         if step >= warmup:
             times.append(elapsed * 1e3)
@@ -219,7 +225,7 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
     if device.type == "cuda":
         def step():
             work.copy_(source)
-            return sampler.sample(work, slots)
+            return sampler.sample(work, slots, **extra)
         copy = _gpu_time_ms(lambda: work.copy_(source), iters, device)
         # the queued sleep outlasts the step's host time (its median above, reading back
         # included) three times over: no launch gap inside the measured step
@@ -228,7 +234,7 @@ def bench_one(backend: str, workload: str, batch: int, vocab: int, device: torch
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        out = sampler.sample(work, slots)
+        out = sampler.sample(work, slots, **extra)
         torch.cuda.synchronize(device)
         record["peak_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
         record["logits_bf16_mb"] = batch * vocab * 2 / 2**20
@@ -254,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None, help="write the records here")
+    ap.add_argument("--device-slots", action="store_true",
+                    help="pass the step's slots as a device copy too (as the engine does)")
     ap.add_argument("--flashinfer-alone", action="store_true",
                     help="add FlashInfer's top_k_top_p_sampling_from_logits alone (cuda)")
     args = ap.parse_args(argv)
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             for vocab in args.vocab_sizes:
                 for backend in backends:
                     records.append(bench_one(backend, workload, batch, vocab, device, dtype,
-                                             args.warmup, args.iters))
+                                             args.warmup, args.iters, args.device_slots))
                     print(json.dumps(records[-1]), flush=True)
                 if args.flashinfer_alone and workload == "full" and device.type == "cuda":
                     records.append(bench_flashinfer_alone(batch, vocab, device, dtype,

@@ -131,7 +131,8 @@ class Sampler:
         self.state.remove_request(self._check_slot(slot))
 
     # ------------------------------------------------------------------ step
-    def _index(self, slots: Sequence[int] | torch.Tensor, rows: int
+    def _index(self, slots: Sequence[int] | torch.Tensor, rows: int,
+               device_slots: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, np.ndarray | None]:
         if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
             if slots.dim() != 1 or slots.shape[0] != rows:
@@ -149,9 +150,16 @@ class Sampler:
             raise ValueError(f"slots: slot {int(host[~self.state.active[host]][0])} has no request")
         if host.size > 1 and np.bincount(host, minlength=self.max_num_seqs).max() > 1:
             raise ValueError("slots: a slot appears twice in one batch")
-        return to_device(host, self.device), host
+        if device_slots is None:
+            return to_device(host, self.device), host
+        if (not isinstance(device_slots, torch.Tensor) or device_slots.shape != (rows,)
+                or device_slots.dtype != torch.int64 or device_slots.device != self.device):
+            raise ValueError(f"device_slots: expected an int64 tensor of shape [{rows}] on "
+                             f"{self.device} (the same slots as `slots`)")
+        return device_slots, host
 
-    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
+               device_slots: torch.Tensor | None = None) -> SamplerOutput:
         """Samples one token per row and advances each row's slot.
 
         Args:
@@ -160,6 +168,9 @@ class Sampler:
                 processed logits); bf16/fp16 logits are left untouched.
             slots: the slot of each row: a list of ints, a CPU LongTensor, or a LongTensor on
                 the device (then the host-side predicates consider every active slot).
+            device_slots: optional int64 ``[rows]`` copy of host ``slots`` already on the
+                device (an engine uploads it with its step inputs): the step then makes no
+                host-to-device copy of its own. Its values are trusted to equal ``slots``.
 
         Returns:
             :class:`~sampler.output.SamplerOutput` on the device. The slots' output
@@ -169,7 +180,9 @@ class Sampler:
         logits = check_logits(logits, self.vocab_size)
         if logits.device != self.device:
             raise ValueError(f"logits: must be on {self.device}, got {logits.device}")
-        idx, rows_host = self._index(slots, logits.shape[0])
+        idx, rows_host = self._index(slots, logits.shape[0], device_slots)
+        if device_slots is not None and rows_host is None:
+            raise ValueError("device_slots: give `slots` as host ids with it")
         self.state.flush()
         plan = make_plan(self.state, rows_host)
         out = self._run(logits, idx, self.state, plan, inplace=True,

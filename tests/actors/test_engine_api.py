@@ -110,9 +110,9 @@ def test_token_sampled_after_a_stop_is_dropped(tiny_llama):
     rows = []
     original = engine.sampler.sample
 
-    def sample(logits, slots):
+    def sample(logits, slots, **kwargs):
         rows.append(len(slots))
-        return original(logits, slots)
+        return original(logits, slots, **kwargs)
 
     engine.sampler.sample = sample
     out = engine.generate([("a", [5, 6, 7], SamplingParams(

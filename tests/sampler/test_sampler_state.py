@@ -76,7 +76,8 @@ def test_fifty_steps_equal_stateless(vocab, host_slots, monkeypatch):
     sampler = Sampler(max_num_seqs, vocab, device="cpu", eos_token_ids=EOS)
     if not host_slots:  # as with slots on a GPU: predicates over every active slot
         real = Sampler._index
-        monkeypatch.setattr(Sampler, "_index", lambda self, slots, rows: (real(self, slots, rows)[0], None))
+        monkeypatch.setattr(Sampler, "_index",
+                            lambda self, slots, rows, *rest: (real(self, slots, rows)[0], None))
     live: dict[int, Live] = {}
     serial = 0
     seen_reuse = seen_readmit = 0
@@ -181,3 +182,32 @@ def test_invalid_calls_name_the_argument():
         s.sample(torch.zeros(1, 11), [0])
     with pytest.raises(ValueError, match="logits"):
         s.sample(torch.zeros(1, 10, dtype=torch.int64), [0])
+
+
+def test_device_slots_replace_the_upload():
+    """``device_slots`` (the engine's copy of the slots, uploaded with its step inputs) gives
+    the same steps as host slots alone; a copy of the wrong shape or dtype is refused naming
+    the argument."""
+    vocab = 50
+    runs = []
+    for with_device in (False, True):
+        s = Sampler(4, vocab, device="cpu", eos_token_ids=[0])
+        for slot in range(4):
+            s.add_request(slot, SamplingParams(temperature=0.7, seed=slot, logprobs=2,
+                                               frequency_penalty=0.5), [1, 2], seed=slot)
+        outs = []
+        for step in range(4):
+            slots = [3, 1, 0] if step % 2 else [2, 0]
+            logits = torch.randn(len(slots), vocab, generator=torch.Generator().manual_seed(step))
+            extra = {"device_slots": torch.tensor(slots)} if with_device else {}
+            outs.append(s.sample(logits, slots, **extra))
+        runs.append(outs)
+    for a, b in zip(*runs):
+        assert_same_output(a, b)
+    s = Sampler(4, vocab, device="cpu", eos_token_ids=[0])
+    s.add_request(0, SamplingParams(), [1], seed=0)
+    s.add_request(1, SamplingParams(), [1], seed=0)
+    with pytest.raises(ValueError, match="device_slots"):
+        s.sample(torch.zeros(2, vocab), [0, 1], device_slots=torch.tensor([0]))
+    with pytest.raises(ValueError, match="device_slots"):
+        s.sample(torch.zeros(2, vocab), [0, 1], device_slots=torch.tensor([0, 1], dtype=torch.int32))
