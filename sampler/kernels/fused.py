@@ -174,6 +174,10 @@ def _stats_range(
     d_si = tl.zeros([R], dtype=tl.int32)
     d_ss = tl.full([R], NEG, tl.float32)
     d_best = NEG
+    # all-greedy launches without logprobs keep each lane's best tile as loaded (no second
+    # read of it; with the log-sum-exp loop the extra registers cost a block per SM)
+    KEEP: tl.constexpr = (not ANY_RANDOM) and (not ANY_LP)
+    kept = tl.full([R, VEC], NEG, base.dtype.element_ty)
     inv_t = 1.0 / T
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
@@ -188,6 +192,8 @@ def _stats_range(
             upd = tv > acc_bv
             acc_bv = tl.where(upd, tv, acc_bv)
             acc_bs = tl.where(upd, start, acc_bs)
+            if KEEP:
+                kept = tl.where(upd[:, None], cur, kept)
         else:  # divided by T after the loop (rounded division by T > 0 keeps the order)
             acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
             if DRAW1:
@@ -208,10 +214,10 @@ def _stats_range(
                     acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
     if greedy | (not ANY_RANDOM):
         acc_bi = _lane_argmax(
-            base, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep,
-            freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
+            base, kept, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
+            rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
             min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, KEPT=KEEP)
     else:
         acc_bi = acc_bs
         acc_ms = tl.math.div_rn(acc_ms, T)
@@ -220,23 +226,27 @@ def _stats_range(
 
 @triton.jit
 def _lane_argmax(
-    base, tile_start, best, lim, row, slot, V, W,
+    base, kept, tile_start, best, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    KEPT: tl.constexpr,
 ):
     """Each lane's greedy index: the lowest one of the lane's ``VEC`` tokens in the tile at
     ``tile_start`` whose processed value equals ``best`` (the first tile where the lane's
-    maximum was reached; its tokens are read and processed again, to the same values). A
-    pass keeps only the tile start per tile, so the per-token arithmetic of an argmax stays
-    out of its loop."""
+    maximum was reached; its tokens are processed again, to the same values: ``kept`` holds
+    their raw logits when KEPT, else they are read again). A pass keeps only the tile (or its
+    start) per tile, so the per-token arithmetic of an argmax stays out of its loop."""
     lane = tl.arange(0, R)
     col = tl.arange(0, VEC)
     offs = tile_start[:, None] + lane[:, None] * VEC + col[None, :]
     vmask = offs < lim
-    raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    if KEPT:
+        raw = kept.to(tl.float32)
+    else:
+        raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
     x = _processed(
         raw, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,

@@ -330,6 +330,46 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
         set_launch_config(None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_random_row", [False, True])
+def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row):
+    """Greedy rows whose maximum repeats within a lane, across tiles, across vocab chunks,
+    or everywhere take the lowest id, as torch: all-greedy steps (the greedy split, the best
+    tile kept in registers) and greedy rows beside a random one (the fused kernel's pass 1,
+    the best tile read again)."""
+    from sampler.kernels.pipeline import (LaunchConfig, launch_config, run_pipeline_triton,
+                                          set_launch_config)
+
+    rows, vocab = 5, 1000
+    sampler = Sampler(8, vocab, device=DEVICE, eos_token_ids=[2])
+    for i in range(rows):
+        greedy = not (with_random_row and i == rows - 1)
+        sampler.add_request(i, SamplingParams(temperature=0.0 if greedy else 0.8,
+                                              logprobs=None if i == 3 else 0,
+                                              logprobs_mode=MODES[i % 3]), [1, 2, 3], seed=i)
+    slots = np.arange(rows)
+    base = launch_config(vocab)
+    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
+                                   chunk=256, chunk_block=64, chunk_warps=4))
+    try:
+        for step in range(2):
+            logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(step)) * 2
+            logits[0, [3, 5, 700]] = 9.0  # one lane (3, 5), another chunk (700)
+            logits[1, [130, 900]] = 9.0  # two tiles of one chunk, a later chunk
+            logits[2, :] = -4.0  # every token ties
+            logits[3, [999, 998]] = 9.0  # the last lane of the row
+            logits = logits.to(device=DEVICE, dtype=dtype)
+            state, plan, idx = step_inputs(sampler, slots)
+            assert plan.any_random == with_random_row
+            ref = run_pipeline(logits.float().clone(), idx, state, plan, inplace=True)
+            out = run_pipeline_triton(logits, idx, state, plan, inplace=False)
+            assert out.token_ids[:4].tolist() == [3, 130, 0, 998]
+            assert_same(ref, out)
+            state.record_sampled(idx, out.token_ids, slots)
+    finally:
+        set_launch_config(None)
+
+
 def test_processing_kernel_matches_torch_ops():
     """Steps 2-6 alone: penalties, bias, bans, min_tokens, allowed (bit for bit in fp32)."""
     from sampler.kernels.pipeline import compute_bad_word_bans
