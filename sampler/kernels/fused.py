@@ -92,8 +92,27 @@ def _tile_of(
     per-slot tables). ``loaded`` holds -inf past ``lim`` (:func:`_load_tile`), so unprocessed
     values need no mask of their own."""
     offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    vmask = offs < lim
     raw = loaded.to(tl.float32)
+    vmask, x = _processed_at(
+        raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
+        row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        ban_ptr, NBAN, allowed_ptr, row_allowed,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+    return offs, vmask, raw, x
+
+
+@triton.jit
+def _processed_at(
+    raw, offs, lim, row, slot, V, W,
+    pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
+    bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+):
+    """(mask ``offs < lim``, processed values, -inf past ``lim``) of raw fp32 logits at
+    ``offs`` that already hold -inf past ``lim``."""
+    vmask = offs < lim
     x = _processed(
         raw, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
@@ -103,7 +122,7 @@ def _tile_of(
     )
     if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED:
         x = tl.where(vmask, x, float("-inf"))
-    return offs, vmask, raw, x
+    return vmask, x
 
 
 @triton.jit
@@ -242,19 +261,15 @@ def _lane_argmax(
     lane = tl.arange(0, R)
     col = tl.arange(0, VEC)
     offs = tile_start[:, None] + lane[:, None] * VEC + col[None, :]
-    vmask = offs < lim
     if KEPT:
         raw = kept.to(tl.float32)
     else:
-        raw = tl.load(base + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-    x = _processed(
-        raw, offs, vmask, row, slot, V, W,
-        pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
-        bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
+        raw = tl.load(base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32)
+    _m, x = _processed_at(
+        raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
+        row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
-    )
-    x = tl.where(vmask, x, float("-inf"))
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
     j = tl.min(tl.where(x == best[:, None], col[None, :], VEC - 1), 1)
     return tile_start + lane * VEC + j
 
