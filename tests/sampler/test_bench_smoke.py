@@ -48,6 +48,26 @@ def test_sampler_bench_triton_variants_under_the_interpreter(tmp_path):
         (b, w) for b in ("triton", "triton@64x4c") for w in ("full", "top_p")}
 
 
+def test_sampler_bench_device_slots_and_chunk_sizes(tmp_path):
+    """``--device-slots`` (the step's slots also passed as a device copy, as the engine does)
+    and the greedy split's chunk size in the variant grammar (``kBxWxC``), under the
+    interpreter."""
+    import os
+
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sampler_bench.py"), "--device", "cpu",
+         "--batch-sizes", "3", "--vocab-sizes", "97", "--iters", "1", "--warmup", "0",
+         "--backends", "triton,triton@64x4k32x4x64", "--workloads", "greedy_sampled_logprob",
+         "--device-slots", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    records = json.loads(out.read_text())["records"]
+    assert {(r["backend"], r["slots"]) for r in records if r.get("median_ms", 0) > 0} == {
+        ("triton", "device"), ("triton@64x4k32x4x64", "device")}
+
+
 def test_kernel_resources_compiles_for_sm90():
     """benchmarks/kernel_resources.py builds a kernel for sm_90 on a machine without a GPU and
     reads its registers and spill bytes (compiled Triton: not under the interpreter)."""
