@@ -140,17 +140,17 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouwb][pSPLIT][vVEC][gSTAGES][kBxW[xC]]`` selects a
+    """``triton@BLOCKxWARPS[xCAP][nfscouw][pSPLIT][vVEC][gSTAGES][kBxW[xC]]`` selects a
     launch config of the fused kernel (a tuning sweep): n = per-lane bin counts instead of
     tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact selection
     passes always (no draw-then-verify), c = the chunked pipeline first
     (``sampler.kernels.chunked``; the fused kernel takes the rows it leaves), o = no greedy
     split (all-greedy steps without top-k logprobs in the fused kernel alone), u = no prefetch
-    of the next tile in the row-pass loops, w = two tiles ahead, b = the sampling passes' tile
-    skip bounded per lane (not per token), pSPLIT = pass 1 as a separate kernel over
-    vocab chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES = row-pass
-    loops software-pipelined STAGES deep, kBxW[xC] = tiles of B tokens and W warps (and vocab
-    chunks of C tokens) for the chunked pipeline's and the greedy split's kernels."""
+    of the next tile in the row-pass loops, w = two tiles ahead, pSPLIT = pass 1 as a separate
+    kernel over vocab chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES =
+    row-pass loops software-pipelined STAGES deep, kBxW[xC] = tiles of B tokens and W warps
+    (and vocab chunks of C tokens) for the chunked pipeline's and the greedy split's
+    kernels."""
     import re
 
     if name.startswith("triton"):
@@ -158,13 +158,13 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwb]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?",
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouw]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?",
                              spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
                       skip="f" not in m[4], fast="s" not in m[4], chunked="c" in m[4],
-                      greedy_split="o" not in m[4], tight="b" not in m[4],
+                      greedy_split="o" not in m[4],
                       prefetch=0 if "u" in m[4] else 2 if "w" in m[4] else 1)
             if m[3]:
                 kw["cap"] = int(m[3])

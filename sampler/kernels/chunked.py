@@ -155,7 +155,7 @@ def _chunk_gather_kernel(
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK):
         offs, vmask, raw, x = _tile_of(
-            _load_tile(base, start, hi, R, VEC), start, row, slot, V, W, T, hi, pbits_ptr,
+            _load_tile(base, start, hi, R, VEC), start, row, slot, V, W, hi, pbits_ptr,
             pmask_ptr, counts_ptr, rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr,
             NBIAS, stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)

@@ -80,7 +80,7 @@ def _next_tile(base, start, lim, pre, pre2, R: tl.constexpr, VEC: tl.constexpr,
 
 @triton.jit
 def _tile_of(
-    loaded, start, row, slot, V, W, T, lim,
+    loaded, start, row, slot, V, W, lim,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed,
@@ -174,7 +174,6 @@ def _stats_range(
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
     DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0, PREFETCH: tl.constexpr = 1,
-    TIGHT: tl.constexpr = True,
 ):
     """Pass 1 over ``[lo, hi)``: per-lane greedy (value, index), max of x / T, and online
     log-sum-exp accumulators of the raw values and of raw / T. With ``draw1`` (a random row
@@ -196,13 +195,13 @@ def _stats_range(
     # all-greedy launches without logprobs keep each lane's best tile as loaded (no second
     # read of it; with the log-sum-exp loop the extra registers cost a block per SM)
     KEEP: tl.constexpr = (not ANY_RANDOM) and (not ANY_LP)
-    kept = tl.full([R, VEC], NEG, base.dtype.element_ty)
+    best_tile = tl.full([R, VEC], NEG, base.dtype.element_ty)
     inv_t = 1.0 / T
     pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
     for start in tl.range(lo, hi, R * VEC, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
         offs, vmask, raw, x = _tile_of(
-            cur, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
+            cur, start, row, slot, V, W, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
             pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
             min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -212,20 +211,13 @@ def _stats_range(
             acc_bv = tl.where(upd, tv, acc_bv)
             acc_bs = tl.where(upd, start, acc_bs)
             if KEEP:
-                kept = tl.where(upd[:, None], cur, kept)
+                best_tile = tl.where(upd[:, None], cur, best_tile)
         else:  # divided by T after the loop (rounded division by T > 0 keeps the order)
             acc_ms = tl.maximum(acc_ms, tl.max(x, 1))
             if DRAW1:
                 if draw1:
-                    if TIGHT:
-                        d_sv, d_si, d_ss, d_best = _draw_tile_lazy(
-                            x, T, inv_t, NEG, NEG, offs, k0, k1, d_sv, d_si, d_ss, d_best)
-                    else:
-                        s = tl.math.div_rn(x, T)
-                        kept = s > NEG
-                        d_sv, d_si, d_ss, d_best = _draw_tile(
-                            tl.where(kept, s, NEG), kept, offs, k0, k1, d_sv, d_si, d_ss, d_best,
-                            True, False)
+                    d_sv, d_si, d_ss, d_best = _draw_tile_lazy(
+                        x, T, inv_t, NEG, NEG, offs, k0, k1, d_sv, d_si, d_ss, d_best)
         if ANY_LP:
             if lp_on:
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
@@ -233,7 +225,7 @@ def _stats_range(
                     acc_mt, acc_lt = _online_lse(tl.math.div_rn(raw, T), acc_mt, acc_lt)
     if greedy | (not ANY_RANDOM):
         acc_bi = _lane_argmax(
-            base, kept, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
+            base, best_tile, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
             rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
             min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, KEPT=KEEP)
@@ -364,18 +356,6 @@ def _gumbel_max_of(vals, ids, kept, k0, k1):
 
 
 @triton.jit
-def _noise_bound(sk, kept, bits):
-    """An upper bound, per lane, on ``sk + noise`` over the kept tokens of a ``[R, VEC]``
-    tile: the lane's largest value plus the noise of its largest hash bits (the noise is
-    non-decreasing in the bits, so that is the lane's largest noise), with slack for the
-    rounding of the logarithms and of the sum. ``-inf`` for a lane with nothing kept."""
-    key = tl.where(kept, (bits ^ 2147483648).to(tl.int32, bitcast=True), -2147483647 - 1)
-    top = tl.max(key, 1).to(tl.uint32, bitcast=True) ^ 2147483648
-    ub = tl.max(sk, 1) + _gumbel_of_bits(top)
-    return tl.where(ub > float("-inf"), ub + (tl.abs(ub) * 1e-5 + 1e-3), ub)
-
-
-@triton.jit
 def _draw_update(sk, kept, bits, offs, acc_sv, acc_si, acc_ss):
     """The Gumbel-max accumulators (best score, its token, its value per lane) updated with a
     ``[R, VEC]`` tile's kept tokens (values ``sk``, hash bits ``bits``)."""
@@ -403,22 +383,17 @@ def _token_bound(sk, kept, bits):
 
 
 @triton.jit
-def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best, SKIP: tl.constexpr,
-               TIGHT: tl.constexpr = True):
+def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best, SKIP: tl.constexpr):
     """One ``[R, VEC]`` tile into the per-lane Gumbel-max accumulators (best score, its token,
     its value) over the tokens ``kept`` (values ``sk``); ``best`` is the best score so far
     (the accumulators' maximum, kept up to date here). With SKIP the noise's logarithms are
-    computed only when the tile's bound reaches ``best`` (the hash bits are cheap, the
-    logarithms are not): with TIGHT the bound of each token (:func:`_token_bound`), else each
-    lane's largest value plus the noise of its largest bits (:func:`_noise_bound`). A skipped
-    tile holds no score >= ``best``, so no tie is lost."""
+    computed only when the tile's bound (:func:`_token_bound`) reaches ``best`` (the hash bits
+    are cheap, the logarithms are not). A skipped tile holds no score >= ``best``, so no tie
+    is lost."""
     bits = _gumbel_bits(offs, k0, k1)
     go = True
     if SKIP:
-        if TIGHT:
-            go = _token_bound(sk, kept, bits) >= best
-        else:
-            go = tl.max(_noise_bound(sk, kept, bits), 0) >= best
+        go = _token_bound(sk, kept, bits) >= best
     if go:
         acc_sv, acc_si, acc_ss = _draw_update(sk, kept, bits, offs, acc_sv, acc_si, acc_ss)
         best = tl.max(acc_sv, 0)
@@ -427,7 +402,7 @@ def _draw_tile(sk, kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best, SKIP: tl.co
 
 @triton.jit
 def _draw_tile_lazy(x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best):
-    """:func:`_draw_tile` (SKIP, TIGHT) over the tokens with ``thr <= x / T``, ``floor <
+    """:func:`_draw_tile` (SKIP) over the tokens with ``thr <= x / T``, ``floor <
     x / T`` and ``x / T > -inf``, dividing by T only in tiles that may hold the winner: the
     bound takes ``x * (1 / T)`` (within a few ulp of the rounded quotient; the bound's slack
     covers them) over a superset of those tokens."""
@@ -467,7 +442,6 @@ def _scan(
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
     SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
-    TIGHT: tl.constexpr = True,
 ):
     """One pass over the survivors (processed / T >= thr) of ``[lo, hi)`` of a row. DRAW: the
     Gumbel-max over the survivors strictly above ``floor`` (token, its value;
@@ -489,11 +463,11 @@ def _scan(
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
         offs, vmask, raw, x = _tile_of(
-            cur, start, row, slot, V, W, T, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
+            cur, start, row, slot, V, W, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
             NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
-        if DRAW & SKIP & TIGHT & (not COUNT):  # a draw alone: divide only where it may win
+        if DRAW & SKIP & (not COUNT):  # a draw alone: divide only where it may win
             acc_sv, acc_si, acc_ss, best = _draw_tile_lazy(
                 x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
         else:
@@ -503,7 +477,7 @@ def _scan(
                 kept = valid & (s > floor)
                 acc_sv, acc_si, acc_ss, best = _draw_tile(
                     tl.where(kept, s, NEG), kept, offs, k0, k1, acc_sv, acc_si, acc_ss, best,
-                    SKIP, TIGHT)
+                    SKIP)
         if COUNT:
             gt = valid & (s > s_x)
             acc_c += tl.sum(gt.to(tl.int32), 1)
@@ -528,7 +502,6 @@ def _draw_then_verify(
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
     ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
-    TIGHT: tl.constexpr = True,
 ):
     """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
     then a pass that decides whether ``x`` is in the kept set.
@@ -555,7 +528,7 @@ def _draw_then_verify(
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
             DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
-            PREFETCH=PREFETCH, TIGHT=TIGHT)
+            PREFETCH=PREFETCH)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
@@ -563,7 +536,7 @@ def _draw_then_verify(
         ban_ptr, NBAN, allowed_ptr, row_allowed,
         R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
         DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES,
-        PREFETCH=PREFETCH, TIGHT=TIGHT)
+        PREFETCH=PREFETCH)
     known_z = (not k_on) | (n_valid <= top_k)
     ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on) & known_z
     if known_z & (s_x > NEG) & (not ok):
@@ -574,7 +547,7 @@ def _draw_then_verify(
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
             DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
-            PREFETCH=PREFETCH, TIGHT=TIGHT)
+            PREFETCH=PREFETCH)
         rounds = 0
         while (not ok) & (rounds < ROUNDS):
             nxt, s_nxt, n_gt, m_gt, _n, _z, _b = _scan(
@@ -584,7 +557,7 @@ def _draw_then_verify(
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
                 DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES,
-                PREFETCH=PREFETCH, TIGHT=TIGHT)
+                PREFETCH=PREFETCH)
             ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
             if not ok:
                 tok = nxt
@@ -618,7 +591,7 @@ def _fused_sampler_kernel(
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
     FAST: tl.constexpr, HAS_DONE: tl.constexpr, STAGES: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 1, TIGHT: tl.constexpr = True,
+    PREFETCH: tl.constexpr = 1,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -687,7 +660,7 @@ def _fused_sampler_kernel(
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
             ban_ptr, NBAN, allowed_ptr, row_allowed,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
-            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH, TIGHT=TIGHT)
+            STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH)
         if DRAW1:
             d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
     best_v, best_i = _best(acc_bv, acc_bi)
@@ -709,7 +682,7 @@ def _fused_sampler_kernel(
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
                 ban_ptr, NBAN, allowed_ptr, row_allowed,
                 R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
-                STAGES=STAGES, PREFETCH=PREFETCH, TIGHT=TIGHT)
+                STAGES=STAGES, PREFETCH=PREFETCH)
 
     # ---------------------------------------------------------------- selection state machines
     v_k = NEG
@@ -775,7 +748,7 @@ def _fused_sampler_kernel(
             for start in range(0, V, BLOCK):
                 cur, pre, pre2 = _next_tile(base, start, V, pre, pre2, R, VEC, PREFETCH)
                 offs, vmask, raw, x = _tile_of(
-                    cur, start, row, slot, V, W, T, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
+                    cur, start, row, slot, V, W, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
                     freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
                     NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
@@ -944,7 +917,7 @@ def _fused_sampler_kernel(
                     ban_ptr, NBAN, allowed_ptr, row_allowed,
                     R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
                     DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES,
-                    PREFETCH=PREFETCH, TIGHT=TIGHT)
+                    PREFETCH=PREFETCH)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)
 

@@ -64,10 +64,6 @@ class LaunchConfig:
     # the row-pass loops request the logits of the tile this many iterations ahead (0, 1, 2)
     # before processing the current one
     prefetch: int = 1
-    # the sampling passes skip a tile by a bound on each token's score (False: on each lane's
-    # largest value plus its largest noise), and a draw alone divides by T only in tiles that
-    # may hold the winner
-    tight: bool = True
 
 
 _config_override: LaunchConfig | None = None
@@ -278,7 +274,7 @@ def run_pipeline_triton(
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or split,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
-        HAS_DONE=chunked, STAGES=cfg.stages, PREFETCH=cfg.prefetch, TIGHT=cfg.tight,
+        HAS_DONE=chunked, STAGES=cfg.stages, PREFETCH=cfg.prefetch,
         num_warps=warps,
         # no fused multiply-adds: bin edges computed per element and per row round alike
         # (as under the interpreter), so a token on an edge never falls between two bins
