@@ -77,14 +77,14 @@ class StepExecutor:
             if runner.sample_inverse is not None:  # forked samples share their parent's row
                 logits = logits[runner.sample_inverse]
             sample_seqs = sched.sample_seqs
-            slots = [seq.slot for seq in sample_seqs]
             if timer is not None:
                 timer.mark("sample")
             wants_extra = any([seq.request.token_logprobs for seq in sample_seqs])
             # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
             # backend's fallback): keep the raw ones for the extra logprobs
             raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
-            out = self.sampler.sample(logits, slots, device_slots=runner.sample_slots)
+            out = self.sampler.sample(logits, inputs.sample_slots,
+                                      device_slots=runner.sample_slots)
             if wants_extra:
                 step.token_logprobs = self._token_logprobs(raw, out.token_ids, sched.sample_seqs)
             step.output = AsyncOutput(out)

@@ -135,6 +135,8 @@ class Sampler:
                device_slots: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, np.ndarray | None]:
         if isinstance(slots, torch.Tensor) and slots.device.type != "cpu":
+            if device_slots is not None:
+                raise ValueError("device_slots: give `slots` as host ids with it")
             if slots.dim() != 1 or slots.shape[0] != rows:
                 raise ValueError(f"slots: expected shape [{rows}], got {tuple(slots.shape)}")
             return slots.to(self.device, torch.int64), None
@@ -181,8 +183,6 @@ class Sampler:
         if logits.device != self.device:
             raise ValueError(f"logits: must be on {self.device}, got {logits.device}")
         idx, rows_host = self._index(slots, logits.shape[0], device_slots)
-        if device_slots is not None and rows_host is None:
-            raise ValueError("device_slots: give `slots` as host ids with it")
         self.state.flush()
         plan = make_plan(self.state, rows_host)
         out = self._run(logits, idx, self.state, plan, inplace=True,
