@@ -331,12 +331,13 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_random_row", [False, True])
-def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row):
+@pytest.mark.parametrize("with_random_row,logprobs", [(False, False), (False, True),
+                                                      (True, True)])
+def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs):
     """Greedy rows whose maximum repeats within a lane, across tiles, across vocab chunks,
-    or everywhere take the lowest id, as torch: all-greedy steps (the greedy split, the best
-    tile kept in registers) and greedy rows beside a random one (the fused kernel's pass 1,
-    the best tile read again)."""
+    or everywhere take the lowest id, as torch: all-greedy steps (the greedy split; without
+    logprobs the best tile is kept in registers, with them it is read again) and greedy rows
+    beside a random one (the fused kernel's pass 1, the best tile read again)."""
     from sampler.kernels.pipeline import (LaunchConfig, launch_config, run_pipeline_triton,
                                           set_launch_config)
 
@@ -345,7 +346,7 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row):
     for i in range(rows):
         greedy = not (with_random_row and i == rows - 1)
         sampler.add_request(i, SamplingParams(temperature=0.0 if greedy else 0.8,
-                                              logprobs=None if i == 3 else 0,
+                                              logprobs=0 if logprobs and i != 3 else None,
                                               logprobs_mode=MODES[i % 3]), [1, 2, 3], seed=i)
     slots = np.arange(rows)
     base = launch_config(vocab)
@@ -360,7 +361,7 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row):
             logits[3, [999, 998]] = 9.0  # the last lane of the row
             logits = logits.to(device=DEVICE, dtype=dtype)
             state, plan, idx = step_inputs(sampler, slots)
-            assert plan.any_random == with_random_row
+            assert plan.any_random == with_random_row and plan.any_logprobs == logprobs
             ref = run_pipeline(logits.float().clone(), idx, state, plan, inplace=True)
             out = run_pipeline_triton(logits, idx, state, plan, inplace=False)
             assert out.token_ids[:4].tolist() == [3, 130, 0, 998]
