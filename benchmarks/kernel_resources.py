@@ -30,10 +30,15 @@ POINTERS = {
     "counter_ptr": "*i32", "part_ptr": "*fp32", "part_i_ptr": "*i32", "lanes_ptr": "*fp32",
     "rec_ptr": "*fp32", "best_ptr": "*i32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
     "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
+    "tbits_ptr": "*i32", "lval_ptr": "*fp32", "lid_ptr": "*i32", "tval_ptr": "*fp32",
+    "tid_ptr": "*i32", "proc_ptr": "*fp32",
+    "words_ptr": "*i64", "wlens_ptr": "*i64", "recent_ptr": "*i64", "r_counts_ptr": "*i32",
+    "r_pbits_ptr": "*i32", "r_tbits_ptr": "*i32", "r_recent_ptr": "*i64",
 }
 ALIGNED_INTS = {"stride_row", "V"}
 MASKS = dict(HAS_PEN=True, HAS_BIAS=True, HAS_STOP=True, HAS_BAN=True, HAS_ALLOWED=True)
 NO_MASKS = {k: False for k in MASKS}
+LIST_MASKS = {k: v for k, v in MASKS.items() if k != "HAS_ALLOWED"}  # kernels of listed ids
 
 
 def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
@@ -68,7 +73,7 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
-    from sampler.kernels import chunked
+    from sampler.kernels import candidates, chunked, record
     from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
     from sampler.kernels.pipeline import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
 
@@ -100,6 +105,22 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
         ("chunked finish", chunked._chunk_finish_kernel,
          dict(ANY_LP=True, ANY_RANDOM=True, ANY_RK=True, CAP=cfg.cap, DRAW=True), warps),
         ("chunked rank", chunked._chunk_rank_kernel, dict(BLOCK=block), warps),
+        ("candidate stats, full", candidates._cand_stats_kernel,
+         dict(HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, BLOCK=cfg.cand_block,
+              VEC=cfg.cand_vec, PREFETCH=cfg.prefetch), cfg.cand_warps),
+        ("candidate stats, greedy + logprob", candidates._cand_stats_kernel,
+         dict(HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False, BLOCK=cfg.cand_block,
+              VEC=cfg.cand_vec, PREFETCH=cfg.prefetch), cfg.cand_warps),
+        ("candidate finish, full", candidates._cand_finish_kernel,
+         dict(LIST_MASKS, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, CAP=cfg.cand_cap,
+              NCP2=16, NWP2=4, WLP2=4, TB=256, SMALL=128, MID=512), cfg.cand_finish_warps),
+        ("candidate finish, greedy + logprob", candidates._cand_finish_kernel,
+         dict({k: False for k in LIST_MASKS}, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False,
+              CAP=cfg.cand_cap, NCP2=16, NWP2=1, WLP2=1, TB=256, SMALL=128, MID=512,
+              RECORD=True, R_RECENT=True,
+              R_RWP2=4), cfg.cand_finish_warps),
+        ("record", record._record_kernel,
+         dict(HAS_COUNTS=True, HAS_TOUCH=True, HAS_RECENT=True, RWP2=4), 1),
     ]
 
 

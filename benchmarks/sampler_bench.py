@@ -140,7 +140,7 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouw][pSPLIT][vVEC][gSTAGES][kBxW[xC]]`` selects a
+    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]]`` selects a
     launch config of the fused kernel (a tuning sweep): n = per-lane bin counts instead of
     tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact selection
     passes always (no draw-then-verify), c = the chunked pipeline first
@@ -150,7 +150,9 @@ def _triton_variant(name: str) -> None:
     kernel over vocab chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES =
     row-pass loops software-pipelined STAGES deep, kBxW[xC] = tiles of B tokens and W warps
     (and vocab chunks of C tokens) for the chunked pipeline's and the greedy split's
-    kernels."""
+    kernels, a = no candidate path (``sampler.kernels.candidates``: every row in the fused
+    kernel, all-greedy steps on the greedy split), qBxW[xC] = tiles of B tokens and W warps
+    (and vocab chunks of C tokens) for the candidate path's statistics kernel."""
     import re
 
     if name.startswith("triton"):
@@ -158,13 +160,14 @@ def _triton_variant(name: str) -> None:
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouw]*)(?:p(\d+))?(?:v(\d+))?(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?",
+            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwa]*)(?:p(\d+))?(?:v(\d+))?"
+                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?(?:q(\d+)x(\d+)(?:x(\d+))?)?",
                              spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
                       skip="f" not in m[4], fast="s" not in m[4], chunked="c" in m[4],
-                      greedy_split="o" not in m[4],
+                      greedy_split="o" not in m[4], cand="a" not in m[4],
                       prefetch=0 if "u" in m[4] else 2 if "w" in m[4] else 1)
             if m[3]:
                 kw["cap"] = int(m[3])
@@ -179,6 +182,11 @@ def _triton_variant(name: str) -> None:
                 kw["chunk_warps"] = int(m[9])
             if m[10]:
                 kw["chunk"] = int(m[10])
+            if m[11]:
+                kw["cand_block"] = int(m[11])
+                kw["cand_warps"] = int(m[12])
+            if m[13]:
+                kw["cand_chunk"] = int(m[13])
             set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)

@@ -15,6 +15,7 @@ import numpy as np
 from sampler.ops.logprobs import OFF
 from sampler.state import (
     HAS_ALLOWED,
+    MODE_CODES,
     IS_GREEDY,
     LOG_MIN_P,
     MIN_TOKENS,
@@ -25,6 +26,9 @@ from sampler.state import (
     TOP_P,
     SamplerState,
 )
+
+# logprobs modes computed from the raw logits (their top-k needs no processed values)
+RAW_FAMILY = tuple(MODE_CODES[m] for m in ("raw_logprobs", "raw_logits", "temperature_logprobs"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,10 @@ class StepPlan:
             counter-based one of the seed; the FlashInfer backend cannot give it).
         modes: the logprobs-mode codes of the rows that asked for logprobs.
         max_num_logprobs: K, the top-k output width (vocab size if a row asked for -1).
+        min_select_k, max_select_k: over the rows, the fewest / most tokens a row's step
+            must rank: a random row's top-k (the vocab size without one), a greedy row's 0,
+            or its raw-family top logprobs when larger (the Triton candidate path takes the
+            rows whose count is small).
     """
 
     any_greedy: bool
@@ -60,6 +68,8 @@ class StepPlan:
     any_seeded: bool = False
     modes: frozenset[int] = frozenset()
     max_num_logprobs: int = 0
+    min_select_k: int = 0
+    max_select_k: int = 0
 
     @property
     def mutates(self) -> bool:
@@ -97,6 +107,10 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
     num_logprobs = i[:, NUM_LOGPROBS]
     asked = num_logprobs != OFF
     widths = np.where(num_logprobs == -1, vocab, num_logprobs)[asked]
+    raw_family = np.isin(i[:, MODE], RAW_FAMILY)
+    select = np.where(random, np.where(k_active, k, vocab), 0)
+    select = np.maximum(select, np.where(asked & raw_family & (num_logprobs != 0),
+                                         np.where(num_logprobs == -1, vocab, num_logprobs), 0))
     return StepPlan(
         any_greedy=bool(greedy.any()),
         any_random=bool(random.any()),
@@ -114,4 +128,6 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
         any_seeded=bool((random & state.has_seed[sel]).any()),
         modes=frozenset(int(m) for m in np.unique(i[asked, MODE])),
         max_num_logprobs=int(widths.max()) if widths.size else 0,
+        min_select_k=int(select.min()) if select.size else 0,
+        max_select_k=int(select.max()) if select.size else 0,
     )

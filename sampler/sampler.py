@@ -185,7 +185,10 @@ class Sampler:
         idx, rows_host = self._index(slots, logits.shape[0], device_slots)
         self.state.flush()
         plan = make_plan(self.state, rows_host)
+        if self.backend == "triton":  # recorded by the step's kernels (no torch ops)
+            return self._run(logits, idx, self.state, plan, inplace=True,
+                             precision=self.noise_precision, record_rows=(rows_host,))
         out = self._run(logits, idx, self.state, plan, inplace=True,
-                           precision=self.noise_precision)
+                        precision=self.noise_precision)
         self.state.record_sampled(idx, out.token_ids, rows_host)
         return out

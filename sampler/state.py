@@ -7,6 +7,12 @@ prompt-token mask, the allowed-id mask, the recent output tokens for bad words â
 from staged per-slot writes at the flush and from each step's sampled ids afterwards
 (:meth:`SamplerState.record_sampled`), so a step needs nothing from the host. The large
 ``[max_num_seqs, vocab]`` tables are allocated the first time a request needs them.
+
+``touch_bits`` marks, per slot, every token whose processed value (steps 2-6) may differ from
+its raw logit: the prompt and output tokens of a request with penalties, its logit-bias ids,
+its stop ids when it has ``min_tokens``, and the last token of each of its bad words. Tokens
+without the bit keep their raw value, which lets the Triton candidate path
+(:mod:`sampler.kernels.candidates`) read the row once and process only the marked tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class _Staged:
     output: np.ndarray
     allowed: np.ndarray | None
     penalties: bool
+    specials: np.ndarray  # bias ids, stop ids (with min_tokens), bad words' last tokens
 
 
 def _grow(array: np.ndarray, shape: tuple[int, ...], fill: float) -> np.ndarray:
@@ -55,6 +62,14 @@ def _token_bits(staged: _Staged, num_words: int) -> np.ndarray:
         tokens = np.concatenate([staged.prompt, staged.output[staged.output >= 0]])
         tokens = tokens.astype(np.int64)
         np.bitwise_or.at(bits, tokens >> 5, (np.uint32(1) << (tokens & 31).astype(np.uint32)))
+    return bits.view(np.int32)
+
+
+def _touch_bits(staged: _Staged, num_words: int) -> np.ndarray:
+    """The touch bits of a staged slot: its penalty tokens and its special ids."""
+    bits = _token_bits(staged, num_words).view(np.uint32)
+    special = staged.specials.astype(np.int64)
+    np.bitwise_or.at(bits, special >> 5, (np.uint32(1) << (special & 31).astype(np.uint32)))
     return bits.view(np.int32)
 
 
@@ -111,6 +126,8 @@ class SamplerState:
         self.penalty_bits: torch.Tensor | None = None  # [S, ceil(V / 32)] int32
         self.prompt_mask: torch.Tensor | None = None  # [S, V] bool
         self.allowed_mask: torch.Tensor | None = None  # [S, V] bool
+        # tokens whose processed value may differ from the raw one (module docstring)
+        self.touch_bits: torch.Tensor | None = None  # [S, ceil(V / 32)] int32
         self.recent_tokens: torch.Tensor | None = None  # [S, window] int64
         self._staged: dict[int, _Staged] = {}
         self._params_dirty = True
@@ -190,7 +207,11 @@ class SamplerState:
         allowed = None
         if params.allowed_token_ids is not None:
             allowed = np.asarray(params.allowed_token_ids, dtype=np.int64)
-        self._staged[slot] = _Staged(prompt, output, allowed, params.needs_penalties)
+        specials = [*bias.keys(), *(w[-1] for w in bad_words if w)]
+        if params.min_tokens > 0:
+            specials += stops
+        self._staged[slot] = _Staged(prompt, output, allowed, params.needs_penalties,
+                                     np.asarray(specials, dtype=np.int64))
 
     def remove_request(self, slot: int) -> None:
         """Frees ``slot``: host flags and parameters return to neutral values."""
@@ -270,6 +291,14 @@ class SamplerState:
             self.penalty_bits.index_copy_(0, slots_d, to_device(
                 np.stack([_token_bits(st, self.penalty_bits.shape[1]) for st in staged.values()]),
                 self.device))
+        if self.touch_bits is None and any(st.penalties or st.specials.size
+                                           for st in staged.values()):
+            self.touch_bits = torch.zeros((s, (v + 31) // 32), dtype=torch.int32,
+                                          device=self.device)
+        if self.touch_bits is not None:
+            self.touch_bits.index_copy_(0, slots_d, to_device(
+                np.stack([_touch_bits(st, self.touch_bits.shape[1]) for st in staged.values()]),
+                self.device))
 
         with_allowed = {k: st.allowed for k, st in staged.items() if st.allowed is not None}
         if with_allowed:
@@ -317,6 +346,14 @@ class SamplerState:
             bit = (ones << (token_ids & 31)).to(torch.int32)
             self.penalty_bits.index_put_(
                 (idx_mapping, words), self.penalty_bits[idx_mapping, words] | bit)
+        if self.touch_bits is not None:  # a row with penalties: its new output token
+            pen = ((self.fparams[idx_mapping, REPETITION] != 1.0)
+                   | (self.fparams[idx_mapping, FREQUENCY] != 0.0)
+                   | (self.fparams[idx_mapping, PRESENCE] != 0.0))
+            words = token_ids >> 5
+            bit = torch.where(pen, 1 << (token_ids & 31), 0).to(torch.int32)
+            self.touch_bits.index_put_(
+                (idx_mapping, words), self.touch_bits[idx_mapping, words] | bit)
         if self.recent_tokens is not None:
             shifted = torch.cat([self.recent_tokens[idx_mapping, 1:], token_ids[:, None]], dim=1)
             self.recent_tokens.index_copy_(0, idx_mapping, shifted)

@@ -25,8 +25,11 @@ Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes most
 
 Processed logprobs modes and whole-vocab (-1) logprobs are not computed here (the launcher
 uses the torch path for such batches). With ``HAS_DONE`` a row whose flag is set (settled by
-the chunked pipeline, :mod:`sampler.kernels.chunked`) is skipped, and pass 1 comes from that
-pipeline's chunk statistics (``SPLIT``).
+the chunked pipeline, :mod:`sampler.kernels.chunked`, or the candidate path,
+:mod:`sampler.kernels.candidates`) is skipped; pass 1 comes from the chunked pipeline's chunk
+statistics (``SPLIT``) or is the kernel's own. With ``RECORD`` each row it samples also
+advances its slot (:func:`sampler.kernels.record._record_row`), so the step needs no record
+launch.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import triton.language as tl
 from sampler.kernels.noise import (LANE0, LANE1, _gumbel, _gumbel_bits, _gumbel_of_bits,
                                    _gumbel_upper, _row_key)
 from sampler.kernels.process import _processed, _row_processing
+from sampler.kernels.record import _record_row
 from sampler.kernels.select import _bin_of, _choose_bin, _key_id, _key_value, _order_key
 
 
@@ -591,7 +595,9 @@ def _fused_sampler_kernel(
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
     MAX_PASSES: tl.constexpr, W0: tl.constexpr, SPLIT: tl.constexpr, NCP2: tl.constexpr,
     FAST: tl.constexpr, HAS_DONE: tl.constexpr, STAGES: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 1, r_counts_ptr=None, r_pbits_ptr=None, r_tbits_ptr=None,
+    r_recent_ptr=None, R_RW=1, RECORD: tl.constexpr = False, R_COUNTS: tl.constexpr = False,
+    R_TOUCH: tl.constexpr = False, R_RECENT: tl.constexpr = False, R_RWP2: tl.constexpr = 1,
 ):
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -955,6 +961,10 @@ def _fused_sampler_kernel(
             vals_out = tl.where(have, _key_value(keys), NEG)
         tl.store(topk_id_ptr + row * KOUT + ii, ids_out, mask=ii < KOUT)
         tl.store(topk_val_ptr + row * KOUT + ii, vals_out, mask=ii < KOUT)
+    if RECORD:  # the row's slot advanced by its token (the ``r_*`` tables are the state's)
+        _record_row(slot, tok.to(tl.int64), positions_ptr, r_counts_ptr, r_pbits_ptr,
+                    r_tbits_ptr, fparams_ptr, stride_f, r_recent_ptr, V, W, R_RW,
+                    R_COUNTS, R_TOUCH, R_RECENT, R_RWP2)
 
 
 @triton.jit

@@ -19,7 +19,9 @@ from sampler.kernels.chunked import (DRAW_ACTIVE, REC_WIDTH, _chunk_bounds_kerne
                                      _chunk_draw_combine_kernel, _chunk_draw_kernel,
                                      _chunk_finish_kernel, _chunk_gather_kernel,
                                      _chunk_rank_kernel)
+from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
 from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
+from sampler.kernels.record import record_sampled_triton, record_tables
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
@@ -64,6 +66,20 @@ class LaunchConfig:
     # the row-pass loops request the logits of the tile this many iterations ahead (0, 1, 2)
     # before processing the current one
     prefetch: int = 1
+    # the candidate path (sampler.kernels.candidates) for greedy rows and rows with top-k (and
+    # top logprobs) up to `cand_kmax`, the fused kernel only for the other rows and the rows
+    # it leaves: vocab chunks of `cand_chunk` tokens read in tiles of `cand_block` by
+    # `cand_warps` warps (`cand_vec` tokens a thread and tile row), candidate lists of
+    # `cand_cap` entries (a power of two), touched lists of `cand_tcap`
+    cand: bool = True
+    cand_chunk: int = 32768
+    cand_block: int = 1024
+    cand_warps: int = 4
+    cand_vec: int = 8
+    cand_cap: int = 1024
+    cand_tcap: int = 4096
+    cand_kmax: int = 64
+    cand_finish_warps: int = 4
 
 
 _config_override: LaunchConfig | None = None
@@ -80,7 +96,8 @@ def launch_config(vocab: int) -> LaunchConfig:
         return _config_override
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every op in Python
         return LaunchConfig(block=min(4096, max(64, triton.next_power_of_2(vocab))),
-                            num_warps=4, cap=64)
+                            num_warps=4, cap=64, cand_chunk=1024, cand_block=256, cand_vec=4,
+                            cand_cap=512, cand_tcap=256)
     return LaunchConfig()
 
 
@@ -181,6 +198,7 @@ def run_pipeline_triton(
     precision: str = "fp32",
     thresholds: torch.Tensor | None = None,
     scratch: dict | None = None,
+    record_rows: tuple | None = None,
 ) -> SamplerOutput:
     """Samples one token per row with the fused Triton kernel.
 
@@ -195,8 +213,12 @@ def run_pipeline_triton(
         thresholds: optional ``[rows]`` float32 output: each random row's kept-set threshold
             (keep t iff processed logit / T >= threshold), for tests; asking for it turns the
             draw-then-verify path off (that path never computes the threshold).
-        scratch: optional dict that receives the kernel's candidate lists and counters
-            (debugging aid).
+        record_rows: ``(rows_host,)`` (the batch's host slots, or None) to record the step's
+            sampled ids in the state as :meth:`~sampler.state.SamplerState.record_sampled`
+            does, in the step's last kernel where it can (the stateful Sampler's case).
+        scratch: optional dict that receives the kernel's candidate lists and counters, and
+            ``cand_done``, the candidate path's per-row flags (1 / 2: settled there, 0: left
+            to the fused kernel), when that path ran (debugging aid, tests).
 
     Returns:
         :class:`~sampler.output.SamplerOutput` on the device.
@@ -207,8 +229,11 @@ def run_pipeline_triton(
             _fallback_logged = True
             logger.info("sampler: a step needs processed/whole-vocab logprobs or fp64 noise; "
                         "such steps run on the torch path")
-        return run_pipeline(logits, idx_mapping, state, plan, inplace=inplace,
-                            precision=precision)
+        out = run_pipeline(logits, idx_mapping, state, plan, inplace=inplace,
+                           precision=precision)
+        if record_rows is not None:
+            record_sampled_triton(state, idx_mapping, out.token_ids, record_rows[0])
+        return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
@@ -222,14 +247,15 @@ def run_pipeline_triton(
     topk_vals = torch.empty(rows, kout, dtype=torch.float32, device=dev)
     cfg = launch_config(vocab)
     cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
-    # candidate-list counters: only the selection and top-k logprob passes use them
-    counters = (torch.zeros(rows, 2, dtype=torch.int32, device=dev)
-                if plan.do_top_k or plan.do_top_p or k > 0 else placeholder(dev, torch.int32))
     thr = thresholds if thresholds is not None else torch.empty(rows, dtype=torch.float32,
                                                                  device=dev)
     if rows == 0:
         return SamplerOutput(token_ids=tok)
-    t = kernel_tables(state, plan, idx_mapping)
+    on_cand = use_candidates(cfg, plan)
+    bans = None  # on the candidate path the finish kernel writes the bad-word bans
+    if on_cand and plan.do_bad_words:
+        bans = torch.empty(rows, state.word_tokens.shape[1], dtype=torch.int64, device=dev)
+    t = kernel_tables(state, plan, idx_mapping, bans)
     flags = dict(HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias,
                  HAS_STOP=plan.do_min_tokens, HAS_BAN=plan.do_bad_words,
                  HAS_ALLOWED=plan.do_allowed, ANY_LP=plan.any_logprobs,
@@ -244,13 +270,28 @@ def run_pipeline_triton(
     chunked = cfg.chunked
     split = False  # pass 1 ran as _stats_kernel: the fused kernel combines its chunks
     block, warps = cfg.block, cfg.num_warps  # the fused kernel's launch
-    if chunked:
+    has_done = chunked
+    # the step's kernels record the sampled ids in the state themselves (not the chunked
+    # pipeline: its rank kernel runs after the fused kernel's)
+    record = _record_kwargs(state, dev) if record_rows is not None and not chunked else None
+    if on_cand:
+        done, left = _run_candidates(
+            cfg, plan, k, kout, rows, vocab, dev, state, logits, idx_mapping, bans, tok, lp,
+            rank, topk_ids, topk_vals, thr, record)
+        if scratch is not None:
+            scratch["cand_done"] = done
+        if not left:  # every row settles on the candidate path
+            return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+                           record_rows, True)
+        has_done = True
+    elif chunked:
         nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
                                    state, logits, idx_mapping, tok, lp, rank, topk_ids,
                                    topk_vals, thr, draw=cfg.fast and thresholds is None)
         part, part_i, done = ran.part, ran.part_i, ran.flags
         if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
-            return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
+            return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+                           record_rows, False)
     elif cfg.split > 0 or (cfg.greedy_split and not plan.any_random and k == 0):
         split = True
         size = cfg.split
@@ -264,6 +305,9 @@ def run_pipeline_triton(
                                       **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
                                       STAGES=cfg.stages, PREFETCH=cfg.prefetch,
                                       num_warps=warps, enable_fp_fusion=False)
+    # candidate-list counters: only the selection and top-k logprob passes use them
+    counters = (torch.zeros(rows, 2, dtype=torch.int32, device=dev)
+                if plan.do_top_k or plan.do_top_p or k > 0 else placeholder(dev, torch.int32))
     _fused_sampler_kernel[(rows,)](
         logits, logits.stride(0), vocab, t.W,
         idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
@@ -274,7 +318,7 @@ def run_pipeline_triton(
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
         MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or split,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
-        HAS_DONE=chunked, STAGES=cfg.stages, PREFETCH=cfg.prefetch,
+        HAS_DONE=has_done, STAGES=cfg.stages, PREFETCH=cfg.prefetch, **(record or {}),
         num_warps=warps,
         # no fused multiply-adds: bin edges computed per element and per row round alike
         # (as under the interpreter), so a token on an edge never falls between two bins
@@ -282,7 +326,119 @@ def run_pipeline_triton(
     )
     if scratch is not None:
         scratch.update(cand=cand, counters=counters, cap=cfg.cap)
+    return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+                   record_rows, record is not None)
+
+
+def _record_kwargs(state, dev) -> dict:
+    """The keyword arguments that make the fused kernel (and the candidate path's finish
+    kernel) advance each row's slot by its token (:func:`sampler.kernels.record._record_row`)."""
+    args, flags = record_tables(state, dev)
+    return dict(r_counts_ptr=args[1], r_pbits_ptr=args[2], r_tbits_ptr=args[3],
+                r_recent_ptr=args[6], R_RW=args[9], RECORD=True, R_COUNTS=flags["HAS_COUNTS"],
+                R_TOUCH=flags["HAS_TOUCH"], R_RECENT=flags["HAS_RECENT"], R_RWP2=flags["RWP2"])
+
+
+def _finish(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+            record_rows, recorded: bool) -> SamplerOutput:
+    """The step's output; with ``record_rows`` the sampled ids recorded in the state (by
+    the record kernel unless a kernel of the step did it)."""
+    if record_rows is not None:
+        if recorded:
+            rows_host = record_rows[0]
+            if rows_host is not None:
+                state.pos_host[rows_host] += 1
+        else:
+            record_sampled_triton(state, idx_mapping, tok, record_rows[0])
     return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
+
+
+def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
+    """Whether a step runs the candidate path: some row may be eligible for it, and the step
+    is not all-greedy without top logprobs (the greedy split's kernels are faster there)."""
+    greedy_split = cfg.greedy_split and not plan.any_random and plan.max_num_logprobs == 0
+    return (cfg.cand and not cfg.chunked and not greedy_split
+            and plan.min_select_k <= cfg.cand_kmax)
+
+
+def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: int, vocab: int,
+                    dev, state, logits, idx_mapping, bans, tok, lp, rank, topk_ids, topk_vals,
+                    thr, record: dict | None) -> tuple[torch.Tensor, bool]:
+    """The kernels of :mod:`sampler.kernels.candidates`; returns the per-row ``done`` flags
+    and whether some row may be left to the fused kernel (ineligible, or a list that can
+    overflow or fall short). ``record``: the record arguments of :func:`_record_kwargs`
+    (the finish kernel then records the rows it settles), or None. ``bans``:
+    ``[rows, words]`` int64 that the finish kernel fills with the bad-word bans (None
+    without bad words)."""
+    chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
+    nchunk = triton.cdiv(vocab, chunk)
+    any_list = plan.any_random or k > 0
+    has_touch = (plan.do_penalties or plan.do_logit_bias or plan.do_min_tokens
+                 or plan.do_bad_words)
+    i64, i32, f32 = (placeholder(dev, d) for d in (torch.int64, torch.int32, torch.float32))
+    part = torch.empty(rows, nchunk, PART_WIDTH.value, dtype=torch.float32, device=dev)
+    part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
+    counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
+    cap = cfg.cand_cap
+    # candidate and touched lists: raw values and ids (and the touched candidates' processed
+    # values)
+    lval, lid, proc = ((torch.empty(rows, cap, dtype=d, device=dev) for d in
+                        (torch.float32, torch.int32, torch.float32)) if any_list else (f32, i32, f32))
+    tval, tid = ((torch.empty(rows, cfg.cand_tcap, dtype=d, device=dev) for d in
+                  (torch.float32, torch.int32)) if has_touch else (f32, i32))
+    tbits = state.touch_bits if has_touch else i32
+    params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
+              state.iparams.stride(0))
+    _cand_stats_kernel[(rows, nchunk)](
+        logits, logits.stride(0), vocab, (vocab + 31) // 32, *params, tbits, part, part_i,
+        nchunk, chunk, cfg.cand_kmax, lval, lid, counters, tval, tid, cap, cfg.cand_tcap,
+        HAS_TOUCH=has_touch, ANY_LP=plan.any_logprobs, ANY_LIST=any_list,
+        BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch,
+        num_warps=cfg.cand_warps, enable_fp_fusion=False)
+    nw = wl = rw = 1
+    words = wlens = recent = i64
+    if plan.do_bad_words:
+        words, wlens, recent = state.word_tokens, state.word_lens, state.recent_tokens
+        nw, wl, rw = words.shape[1], words.shape[2], recent.shape[1]
+    if plan.do_penalties:
+        pbits, counts, pmask = (state.penalty_bits, state.output_counts,
+                                state.prompt_mask.view(torch.uint8))
+    else:
+        pbits, counts, pmask = i32, i32, placeholder(dev, torch.uint8)
+    done = torch.empty(rows, dtype=torch.int32, device=dev)
+    vtok = torch.empty(rows, dtype=torch.float32, device=dev)
+    rec = torch.empty(rows, REC_WIDTH.value, dtype=torch.float32, device=dev)
+    every_row = plan.max_select_k <= cfg.cand_kmax and not plan.do_allowed
+    left = not every_row or any_list or has_touch
+    # the finish kernel records the rows it settles (the fused kernel, after it, the others:
+    # each reads and advances only its own rows' slots)
+    if record is not None:
+        rkw = dict(record)
+        rtabs = tuple(rkw.pop(n) for n in ("r_counts_ptr", "r_pbits_ptr", "r_tbits_ptr",
+                                           "r_recent_ptr", "R_RW"))
+        rflags = rkw
+    else:
+        rtabs, rflags = (i32, i32, i32, i64, 1), {}
+    small = min(cap, max(128, triton.next_power_of_2(kout)))  # the finish kernel's sorts
+    _cand_finish_kernel[(rows,)](
+        logits, logits.stride(0), vocab, (vocab + 31) // 32, *params, state.positions,
+        pbits, pmask, counts, state.bias_ids, state.bias_values, state.bias_ids.shape[1],
+        state.stop_ids, state.stop_ids.shape[1], words, wlens, nw, wl, recent, rw,
+        i64 if bans is None else bans, part, part_i, nchunk, cfg.cand_kmax, lval, lid, proc,
+        counters, tval, tid, cfg.cand_tcap, tok, lp, rank, topk_ids, topk_vals, kout, thr, done,
+        vtok, rec, *rtabs, **rflags,
+        HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
+        HAS_BAN=plan.do_bad_words, HAS_TOUCH=has_touch, ANY_LP=plan.any_logprobs,
+        ANY_LIST=any_list, CAP=cap, SMALL=small, MID=max(small, min(512, cap)),
+        NCP2=triton.next_power_of_2(nchunk),
+        NWP2=triton.next_power_of_2(nw), WLP2=triton.next_power_of_2(wl),
+        TB=min(256, cfg.cand_tcap), num_warps=cfg.cand_finish_warps, enable_fp_fusion=False)
+    # a greedy row of unprocessed logits samples the raw maximum: rank 1, no count
+    if plan.any_logprobs and (plan.any_random or plan.mutates):
+        _chunk_rank_kernel[(rows, nchunk)](logits, logits.stride(0), vocab, *params, rec, done,
+                                           vtok, rank, chunk, BLOCK=cfg.cand_block,
+                                           num_warps=cfg.cand_warps, enable_fp_fusion=False)
+    return done, left
 
 
 def _output(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals) -> SamplerOutput:

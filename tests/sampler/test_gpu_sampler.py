@@ -277,3 +277,44 @@ def test_pipelined_row_passes_give_identical_outputs():
             if x is not None:
                 assert torch.equal(x.nan_to_num(), y.nan_to_num()) if x.is_floating_point() \
                     else torch.equal(x, y), f"batch {b} {field}"
+
+
+@pytest.mark.parametrize("workload", ["full", "greedy_sampled_logprob", "greedy_logprobs"])
+def test_candidate_path_on_the_benchmark_workloads(workload):
+    """sampler_bench's workloads at 256 rows x 151,936 (bf16): every row settles on the
+    candidate path at its GPU launch config, and four steps of the stateful Triton sampler
+    (the step recorded by its kernels) give the torch sampler's tokens, logprobs, ranks and
+    top logprobs."""
+    import importlib.util
+    import random
+    from pathlib import Path
+
+    from sampler.kernels.pipeline import run_pipeline_triton
+    from tests.sampler.test_triton_kernels import assert_same
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_bench.py"
+    spec = importlib.util.spec_from_file_location("sampler_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows, vocab = 256, 151936
+    samplers = [Sampler(rows, vocab, device=DEV, eos_token_ids=[0], max_logprobs=20,
+                        backend=b) for b in ("triton", "torch")]
+    rng = random.Random(1)
+    for slot in range(rows):
+        req = bench._workload(workload, slot, vocab, rng)
+        for s in samplers:
+            s.add_request(slot, req["params"].replace(seed=-1), req.get("prompt", [1, 2, 3]),
+                          seed=req["params"].seed, bad_words_token_ids=req.get("bad_words", ()))
+    slots = list(range(rows))
+    for step in range(4):
+        logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
+        if step == 0:
+            state = samplers[0].state
+            state.flush()
+            scratch: dict = {}
+            run_pipeline_triton(logits, torch.arange(rows, device=DEV), state,
+                                make_plan(state, np.arange(rows)), inplace=False,
+                                scratch=scratch)
+            assert (scratch["cand_done"] > 0).all(), scratch["cand_done"]
+        out, ref = (s.sample(logits, slots) for s in samplers)
+        assert_same(ref, out)

@@ -95,20 +95,51 @@ def assert_same(ref, out) -> None:
         torch.testing.assert_close(out.topk_values, ref.topk_values, rtol=1e-5, atol=1e-5)
 
 
+def _without_candidates():
+    """The default launch config with the candidate path off: every row in the fused kernel
+    (the tests of the fused kernel's own paths)."""
+    import dataclasses
+
+    from sampler.kernels.pipeline import launch_config
+
+    return dataclasses.replace(launch_config(1000), cand=False)
+
+
+@pytest.mark.parametrize("cand", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_fused_kernel_matches_torch_pipeline(seed):
+def test_fused_kernel_matches_torch_pipeline(seed, cand):
+    """Random batches (every feature): the default path (the candidate path's rows beside
+    the fused kernel's) and the fused kernel alone equal torch."""
+    from sampler.kernels.pipeline import set_launch_config
+
     rows, vocab = (7, 1000) if seed % 2 else (3, 111)
     sampler, slots = make_batch(seed, rows, vocab)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if seed % 3 == 1 else torch.float32
     logits = (torch.randn(rows, vocab, generator=g) * (1 + seed % 4)).to(dtype).to(DEVICE)
-    ref, out, thresholds, _ = both_backends(sampler, slots, logits)
+    set_launch_config(None if cand else _without_candidates())
+    try:
+        ref, out, thresholds, _ = both_backends(sampler, slots, logits)
+    finally:
+        set_launch_config(None)
     assert_same(ref, out)
 
 
+@pytest.mark.parametrize("cand", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_kept_sets_equal_oracle(seed):
-    """The kernel's kept set {t : processed_t / T >= threshold} is the torch pipeline's."""
+def test_kept_sets_equal_oracle(seed, cand):
+    """The kernel's kept set {t : processed_t / T >= threshold} is the torch pipeline's
+    (default path and fused kernel alone)."""
+    from sampler.kernels.pipeline import set_launch_config
+
+    set_launch_config(None if cand else _without_candidates())
+    try:
+        _kept_sets_equal_oracle(seed)
+    finally:
+        set_launch_config(None)
+
+
+def _kept_sets_equal_oracle(seed):
     rows, vocab = 6, 400
     sampler, slots = make_batch(100 + seed, rows, vocab)
     g = torch.Generator().manual_seed(seed)
@@ -296,17 +327,18 @@ def test_noise_upper_bound_holds():
     assert (upper - noise)[large].max().item() < 0.09
 
 
-@pytest.mark.parametrize("greedy_split", [True, False])
-def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
+@pytest.mark.parametrize("greedy_split,cand", [(True, True), (False, False), (False, True)])
+def test_all_greedy_steps_with_sampled_logprobs(greedy_split, cand):
     """An all-greedy step without top-k logprobs runs pass 1 over vocab chunks and the fused
-    kernel only combines them (the greedy split); both ways equal torch, penalties and bias
-    that move the argmax away from the raw one (rank counted over the row) included."""
+    kernel only combines them (the greedy split); that, the fused kernel alone and the
+    candidate path equal torch, penalties and bias that move the argmax away from the raw one
+    (rank counted over the row) included."""
     from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
-    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
-                                   chunk=256, chunk_block=64, chunk_warps=4,
-                                   greedy_split=greedy_split))
+    set_launch_config(LaunchConfig(**{**{f: getattr(base, f) for f in LaunchConfig.__slots__},
+                                      "chunk": 256, "chunk_block": 64, "chunk_warps": 4,
+                                      "greedy_split": greedy_split, "cand": cand}))
     try:
         rows, vocab = 6, 1000
         rng = np.random.default_rng(11)
@@ -330,14 +362,16 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split):
         set_launch_config(None)
 
 
+@pytest.mark.parametrize("cand", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_random_row,logprobs", [(False, False), (False, True),
                                                       (True, True)])
-def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs):
+def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs, cand):
     """Greedy rows whose maximum repeats within a lane, across tiles, across vocab chunks,
     or everywhere take the lowest id, as torch: all-greedy steps (the greedy split; without
     logprobs the best tile is kept in registers, with them it is read again) and greedy rows
-    beside a random one (the fused kernel's pass 1, the best tile read again)."""
+    beside a random one (the candidate path, or with it off the fused kernel's pass 1, the
+    best tile read again)."""
     from sampler.kernels.pipeline import (LaunchConfig, launch_config, run_pipeline_triton,
                                           set_launch_config)
 
@@ -350,8 +384,9 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs):
                                               logprobs_mode=MODES[i % 3]), [1, 2, 3], seed=i)
     slots = np.arange(rows)
     base = launch_config(vocab)
-    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
-                                   chunk=256, chunk_block=64, chunk_warps=4))
+    set_launch_config(LaunchConfig(**{**{f: getattr(base, f) for f in LaunchConfig.__slots__},
+                                      "chunk": 256, "chunk_block": 64, "chunk_warps": 4,
+                                      "cand": cand}))
     try:
         for step in range(2):
             logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(step)) * 2
@@ -466,7 +501,7 @@ def test_kernel_variants_agree(hist, skip, split):
     base = launch_config(1000)
     block = 256 if split else base.block
     set_launch_config(LaunchConfig(block=block, num_warps=base.num_warps, cap=base.cap,
-                                   hist=hist, skip=skip, split=split))
+                                   hist=hist, skip=skip, split=split, cand=False))
     try:
         rows, vocab = 7, 1000
         sampler, slots = make_batch(77, rows, vocab)
@@ -486,7 +521,7 @@ def test_prefetch_depths_give_identical_outputs(split):
 
     from sampler.kernels.pipeline import launch_config, run_pipeline_triton, set_launch_config
 
-    base = dataclasses.replace(launch_config(1000), block=128, split=split)
+    base = dataclasses.replace(launch_config(1000), block=128, split=split, cand=False)
     rows, vocab = 9, 1000
     sampler, slots = make_batch(91, rows, vocab)
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 2
