@@ -35,7 +35,7 @@ POINTERS = {
     "words_ptr": "*i64", "wlens_ptr": "*i64", "recent_ptr": "*i64", "r_counts_ptr": "*i32",
     "r_pbits_ptr": "*i32", "r_tbits_ptr": "*i32", "r_recent_ptr": "*i64",
 }
-ALIGNED_INTS = {"stride_row", "V"}
+ALIGNED_INTS = {"stride_row", "V", "CHUNK", "CAP", "TCAP", "KMAX"}
 MASKS = dict(HAS_PEN=True, HAS_BIAS=True, HAS_STOP=True, HAS_BAN=True, HAS_ALLOWED=True)
 NO_MASKS = {k: False for k in MASKS}
 LIST_MASKS = {k: v for k, v in MASKS.items() if k != "HAS_ALLOWED"}  # kernels of listed ids
@@ -50,14 +50,17 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
     names = inspect.signature(kernel.fn).parameters
     # constexpr parameters left out take their defaults, as at a launch
     constants = {**{n: p.default for n, p in names.items()
-                    if p.default is not inspect.Parameter.empty and n not in constants},
+                    if p.default is not inspect.Parameter.empty and n not in constants
+                    and "constexpr" in str(p.annotation)},
                  **constants}
     signature = {n: POINTERS.get(n, "i32") for n in names if n not in constants}
     signature.update({k: "constexpr" for k in constants})
-    # what the launcher specialises on at run time: 16-byte aligned pointers, and row strides
-    # and the vocab size divisible by 16 (151,936 and 128,256 are; 32,000 is too)
+    # what the launcher specialises on at run time: 16-byte aligned pointers, and row strides,
+    # the vocab size, chunk sizes and list capacities divisible by 16 (151,936 and 128,256
+    # are; 32,000 is too)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n in signature and (signature[n].startswith("*") or n in ALIGNED_INTS)}
+               if n in signature and (signature[n].startswith("*") or (
+                   n in ALIGNED_INTS and signature[n] != "constexpr"))}
     compiled = triton.compile(
         ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
         target=GPUTarget("cuda", arch, 32),

@@ -140,7 +140,7 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]]`` selects a
+    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]][eW]`` selects a
     launch config of the fused kernel (a tuning sweep): n = per-lane bin counts instead of
     tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact selection
     passes always (no draw-then-verify), c = the chunked pipeline first
@@ -152,7 +152,8 @@ def _triton_variant(name: str) -> None:
     (and vocab chunks of C tokens) for the chunked pipeline's and the greedy split's
     kernels, a = no candidate path (``sampler.kernels.candidates``: every row in the fused
     kernel, all-greedy steps on the greedy split), qBxW[xC] = tiles of B tokens and W warps
-    (and vocab chunks of C tokens) for the candidate path's statistics kernel."""
+    (and vocab chunks of C tokens) for the candidate path's statistics kernel, eW = W warps
+    for its finish kernel."""
     import re
 
     if name.startswith("triton"):
@@ -161,7 +162,7 @@ def _triton_variant(name: str) -> None:
         if "@" in name:
             spec = name.split("@")[1]
             m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwa]*)(?:p(\d+))?(?:v(\d+))?"
-                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?(?:q(\d+)x(\d+)(?:x(\d+))?)?",
+                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?(?:q(\d+)x(\d+)(?:x(\d+))?)?(?:e(\d+))?",
                              spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
@@ -187,6 +188,8 @@ def _triton_variant(name: str) -> None:
                 kw["cand_warps"] = int(m[12])
             if m[13]:
                 kw["cand_chunk"] = int(m[13])
+            if m[14]:
+                kw["cand_finish_warps"] = int(m[14])
             set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)

@@ -282,9 +282,22 @@ def test_pipelined_row_passes_give_identical_outputs():
 @pytest.mark.parametrize("workload", ["full", "greedy_sampled_logprob", "greedy_logprobs"])
 def test_candidate_path_on_the_benchmark_workloads(workload):
     """sampler_bench's workloads at 256 rows x 151,936 (bf16): every row settles on the
-    candidate path at its GPU launch config, and four steps of the stateful Triton sampler
-    (the step recorded by its kernels) give the torch sampler's tokens, logprobs, ranks and
-    top logprobs."""
+    candidate path at its GPU launch config (the greedy split off, which all-greedy steps
+    without top logprobs take otherwise), and four steps of the stateful Triton sampler (the
+    step recorded by its kernels) give the torch sampler's tokens, logprobs, ranks and top
+    logprobs."""
+    import dataclasses
+
+    from sampler.kernels.pipeline import launch_config, set_launch_config
+
+    set_launch_config(dataclasses.replace(launch_config(151936), greedy_split=False))
+    try:
+        _candidate_path_on(workload)
+    finally:
+        set_launch_config(None)
+
+
+def _candidate_path_on(workload: str) -> None:
     import importlib.util
     import random
     from pathlib import Path
