@@ -140,10 +140,10 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]][eW]`` selects a
-    launch config of the fused kernel (a tuning sweep): n = per-lane bin counts instead of
-    tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact selection
-    passes always (no draw-then-verify), c = the chunked pipeline first
+    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]][eW]``
+    selects a launch config of the fused kernel (a tuning sweep): n = per-lane bin counts
+    instead of tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact
+    selection passes always (no draw-then-verify), c = the chunked pipeline first
     (``sampler.kernels.chunked``; the fused kernel takes the rows it leaves), o = no greedy
     split (all-greedy steps without top-k logprobs in the fused kernel alone), u = no prefetch
     of the next tile in the row-pass loops, w = two tiles ahead, pSPLIT = pass 1 as a separate
@@ -162,8 +162,8 @@ def _triton_variant(name: str) -> None:
         if "@" in name:
             spec = name.split("@")[1]
             m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwa]*)(?:p(\d+))?(?:v(\d+))?"
-                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?(?:q(\d+)x(\d+)(?:x(\d+))?)?(?:e(\d+))?",
-                             spec)
+                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?"
+                             r"(?:q(\d+)x(\d+)(?:x(\d+))?)?(?:e(\d+))?", spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
             kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],

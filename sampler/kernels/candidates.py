@@ -13,20 +13,24 @@ value (min-p and top-p act inside it) and the raw top-n for the logprobs. Two ke
    appended, with their raw values, to the row's touched list.
 2. ``_cand_finish_kernel`` (one program per row) combines the chunks, runs steps 2-6 on the
    touched tokens only (:func:`sampler.kernels.process._processed` on their ids), adds those
-   that can matter to the candidates, sorts them exactly (value desc, id asc), and does
+   that can matter to the candidates, sorts them exactly (value desc, id asc; a sort of 128,
+   512 or ``CAP`` keys, the smallest that holds the row's list), and does
    steps 7-12 and the logprobs on them with the fused kernel's arithmetic (same kept set, same
    noise, same draw).
 
 Why the candidates suffice: K distinct untouched tokens of chunk c are ``>= t_c``, so the
-row's K-th largest value is ``>= t = max_c t_c`` and every unlisted token lies below ``t``.
-The finish kernel checks this exactly in the arithmetic of each decision: the kept set's
-threshold must exceed ``f(t)`` (``f`` the division by T), the n-th top logprob and the
-sampled token's value must exceed (or equal, for the rank) the mode value of ``t``. A row that
-fails a check, or whose lists overflow, is flagged (``done = 0``) and left to the fused
-kernel, launched after this path; a row settled except for its rank (the sampled token below
-``t`` in raw value) gets ``done = 2`` and its rank is counted over the row
-(:func:`sampler.kernels.chunked._chunk_rank_kernel`). Which way a row goes depends on the row
-alone. The finish kernel also writes each row's bad-word bans (for the fused kernel).
+row's K-th largest value is ``>= t_c``, while every untouched token left out is at most
+``t = max_c u_c`` (``u_c``: the largest value chunk c left out). The finish kernel checks in
+the arithmetic of each decision that nothing left out can matter: the kept set's threshold
+must exceed ``f(t)`` (``f`` the division by T: a value below ``t`` can still round to the
+threshold), the n-th top logprob must exceed the mode value of ``t``, and the sampled
+token's value must reach it for the rank to be counted in the list; touched tokens join the
+candidates when their values reach the same bounds. A row that fails a check, or whose lists
+overflow, is flagged (``done = 0``) and left to the fused kernel, launched after this path; a
+row settled except for its rank gets ``done = 2`` and its rank is counted over the row
+(:func:`sampler.kernels.chunked._chunk_rank_kernel`). Which way a row goes depends on the
+row alone. The finish kernel also writes each row's bad-word bans (for the fused kernel) and,
+when asked, advances the slots of the rows it settles (:func:`sampler.kernels.record._record_row`).
 """
 
 from __future__ import annotations
@@ -431,16 +435,17 @@ def _cand_finish_kernel(
                     done = 2
         topk_ids = topk_id_ptr + row * KOUT
         topk_vals = topk_val_ptr + row * KOUT
+        count = lp_on & (done == 1)  # the rank counted in the list
         if n <= SMALL:
-            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, lp_on & (done == 1), v_tok, rank, nlp,
+            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, count, v_tok, rank, nlp,
                                       mode, T, lse_r, lse_t, l_mv, t, topk_ids, topk_vals,
                                       KOUT, SMALL)
         elif n <= MID:
-            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, lp_on & (done == 1), v_tok, rank, nlp,
+            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, count, v_tok, rank, nlp,
                                       mode, T, lse_r, lse_t, l_mv, t, topk_ids, topk_vals,
                                       KOUT, MID)
         else:
-            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, lp_on & (done == 1), v_tok, rank, nlp,
+            rank, ok = _logprobs_from(lval, lid, n, list_on, rk_on, count, v_tok, rank, nlp,
                                       mode, T, lse_r, lse_t, l_mv, t, topk_ids, topk_vals,
                                       KOUT, CAP)
         if not ok:

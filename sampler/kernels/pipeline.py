@@ -1,4 +1,7 @@
-"""The Triton backend of the sampling pipeline: builds the kernel's tables and launches it.
+"""The Triton backend of the sampling pipeline: builds the kernels' tables and launches them
+(the candidate path, :mod:`sampler.kernels.candidates`, for the greedy and top-k rows it
+takes; the fused kernel, :mod:`sampler.kernels.fused`, for the others and the rows the path
+leaves; the chunked pipeline or the greedy split where configured).
 
 Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for something the
 fused kernel does not compute (processed logprobs modes, whole-vocab logprobs, more top-k
@@ -200,7 +203,7 @@ def run_pipeline_triton(
     scratch: dict | None = None,
     record_rows: tuple | None = None,
 ) -> SamplerOutput:
-    """Samples one token per row with the fused Triton kernel.
+    """Samples one token per row with the Triton kernels (module docstring).
 
     Args:
         logits: ``[rows, vocab]`` float32/bf16/fp16; the vocab dimension must have stride 1
@@ -382,8 +385,10 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
     cap = cfg.cand_cap
     # candidate and touched lists: raw values and ids (and the touched candidates' processed
     # values)
-    lval, lid, proc = ((torch.empty(rows, cap, dtype=d, device=dev) for d in
-                        (torch.float32, torch.int32, torch.float32)) if any_list else (f32, i32, f32))
+    lval, lid, proc = (f32, i32, f32)
+    if any_list:
+        lval, lid, proc = (torch.empty(rows, cap, dtype=d, device=dev)
+                           for d in (torch.float32, torch.int32, torch.float32))
     tval, tid = ((torch.empty(rows, cfg.cand_tcap, dtype=d, device=dev) for d in
                   (torch.float32, torch.int32)) if has_touch else (f32, i32))
     tbits = state.touch_bits if has_touch else i32

@@ -138,8 +138,8 @@ def test_touched_tokens_move_across_the_top_k():
     words = [[], [], [], [[100]], [[3, 100]], []]
     sampler = Sampler(8, vocab, device=DEVICE, eos_token_ids=[0], backend="torch")
     for slot, (params, w) in enumerate(zip(specs, words)):
-        sampler.add_request(slot, params, [100, 50], seed=slot, output_token_ids=[3, 100][:slot % 3],
-                            bad_words_token_ids=w)
+        sampler.add_request(slot, params, [100, 50], seed=slot,
+                            output_token_ids=[3, 100][:slot % 3], bad_words_token_ids=w)
     slots = np.arange(rows)
     for step in range(3):
         ref, out, done, _, _ = _run(sampler, slots, logits.to(DEVICE))
