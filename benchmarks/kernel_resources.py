@@ -123,7 +123,7 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
               RECORD=True, R_RECENT=True,
               R_RWP2=4), cfg.cand_finish_warps),
         ("record", record._record_kernel,
-         dict(HAS_COUNTS=True, HAS_TOUCH=True, HAS_RECENT=True, RWP2=4), 1),
+         dict(R_COUNTS=True, R_TOUCH=True, R_RECENT=True, R_RWP2=4), 1),
     ]
 
 

@@ -106,11 +106,11 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
     k_active = random & (k > 0) & (k < vocab)
     num_logprobs = i[:, NUM_LOGPROBS]
     asked = num_logprobs != OFF
-    widths = np.where(num_logprobs == -1, vocab, num_logprobs)[asked]
+    width = np.where(num_logprobs == -1, vocab, num_logprobs)
+    widths = width[asked]
     raw_family = np.isin(i[:, MODE], RAW_FAMILY)
-    select = np.where(random, np.where(k_active, k, vocab), 0)
-    select = np.maximum(select, np.where(asked & raw_family & (num_logprobs != 0),
-                                         np.where(num_logprobs == -1, vocab, num_logprobs), 0))
+    select = np.maximum(np.where(random, np.where(k_active, k, vocab), 0),
+                        np.where(asked & raw_family & (num_logprobs != 0), width, 0))
     return StepPlan(
         any_greedy=bool(greedy.any()),
         any_random=bool(random.any()),

@@ -55,21 +55,17 @@ def _grow(array: np.ndarray, shape: tuple[int, ...], fill: float) -> np.ndarray:
     return out
 
 
-def _token_bits(staged: _Staged, num_words: int) -> np.ndarray:
-    """The penalty bits of a staged slot: one bit per prompt or known output token."""
+def _token_bits(staged: _Staged, num_words: int, specials: bool = False) -> np.ndarray:
+    """One bit per token of a staged slot: its prompt and known output tokens when it has
+    penalties (its penalty bits), and its special ids too with ``specials`` (its touch
+    bits)."""
+    parts = [staged.prompt, staged.output[staged.output >= 0]] if staged.penalties else []
+    if specials:
+        parts.append(staged.specials)
     bits = np.zeros(num_words, dtype=np.uint32)
-    if staged.penalties:
-        tokens = np.concatenate([staged.prompt, staged.output[staged.output >= 0]])
-        tokens = tokens.astype(np.int64)
+    if parts:
+        tokens = np.concatenate(parts).astype(np.int64)
         np.bitwise_or.at(bits, tokens >> 5, (np.uint32(1) << (tokens & 31).astype(np.uint32)))
-    return bits.view(np.int32)
-
-
-def _touch_bits(staged: _Staged, num_words: int) -> np.ndarray:
-    """The touch bits of a staged slot: its penalty tokens and its special ids."""
-    bits = _token_bits(staged, num_words).view(np.uint32)
-    special = staged.specials.astype(np.int64)
-    np.bitwise_or.at(bits, special >> 5, (np.uint32(1) << (special & 31).astype(np.uint32)))
     return bits.view(np.int32)
 
 
@@ -297,7 +293,8 @@ class SamplerState:
                                           device=self.device)
         if self.touch_bits is not None:
             self.touch_bits.index_copy_(0, slots_d, to_device(
-                np.stack([_touch_bits(st, self.touch_bits.shape[1]) for st in staged.values()]),
+                np.stack([_token_bits(st, self.touch_bits.shape[1], specials=True)
+                          for st in staged.values()]),
                 self.device))
 
         with_allowed = {k: st.allowed for k, st in staged.items() if st.allowed is not None}

@@ -297,14 +297,14 @@ def _cand_finish_kernel(
     part_ptr, part_i_ptr, NCHUNK, KMAX, lval_ptr, lid_ptr, proc_ptr, counter_ptr, tval_ptr,
     tid_ptr, TCAP,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr, vtok_ptr,
-    rec_ptr, r_counts_ptr, r_pbits_ptr, r_tbits_ptr, r_recent_ptr, R_RW,
+    rec_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_TOUCH: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_LIST: tl.constexpr, CAP: tl.constexpr, NCP2: tl.constexpr, NWP2: tl.constexpr,
     WLP2: tl.constexpr, TB: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
-    RECORD: tl.constexpr = False,
-    R_COUNTS: tl.constexpr = False, R_TOUCH: tl.constexpr = False,
-    R_RECENT: tl.constexpr = False, R_RWP2: tl.constexpr = 1,
+    r_counts_ptr=None, r_pbits_ptr=None, r_tbits_ptr=None, r_recent_ptr=None, R_RW=1,
+    RECORD: tl.constexpr = False, R_COUNTS: tl.constexpr = False,
+    R_TOUCH: tl.constexpr = False, R_RECENT: tl.constexpr = False, R_RWP2: tl.constexpr = 1,
 ):
     """Step 2, one program per row (module docstring). ``done``: 1 settled, 2 settled but
     for the rank, 0 left to the fused kernel. RECORD (a launch where every row settles here):

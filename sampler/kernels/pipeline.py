@@ -24,7 +24,7 @@ from sampler.kernels.chunked import (DRAW_ACTIVE, REC_WIDTH, _chunk_bounds_kerne
                                      _chunk_rank_kernel)
 from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
 from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
-from sampler.kernels.record import record_sampled_triton, record_tables
+from sampler.kernels.record import launch_record, record_kwargs, record_sampled_triton
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
@@ -276,7 +276,8 @@ def run_pipeline_triton(
     has_done = chunked
     # the step's kernels record the sampled ids in the state themselves (not the chunked
     # pipeline: its rank kernel runs after the fused kernel's)
-    record = _record_kwargs(state, dev) if record_rows is not None and not chunked else None
+    record = (dict(record_kwargs(state, dev), RECORD=True)
+              if record_rows is not None and not chunked else None)
     if on_cand:
         done, left = _run_candidates(
             cfg, plan, k, kout, rows, vocab, dev, state, logits, idx_mapping, bans, tok, lp,
@@ -333,26 +334,15 @@ def run_pipeline_triton(
                    record_rows, record is not None)
 
 
-def _record_kwargs(state, dev) -> dict:
-    """The keyword arguments that make the fused kernel (and the candidate path's finish
-    kernel) advance each row's slot by its token (:func:`sampler.kernels.record._record_row`)."""
-    args, flags = record_tables(state, dev)
-    return dict(r_counts_ptr=args[1], r_pbits_ptr=args[2], r_tbits_ptr=args[3],
-                r_recent_ptr=args[6], R_RW=args[9], RECORD=True, R_COUNTS=flags["HAS_COUNTS"],
-                R_TOUCH=flags["HAS_TOUCH"], R_RECENT=flags["HAS_RECENT"], R_RWP2=flags["RWP2"])
-
-
 def _finish(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
             record_rows, recorded: bool) -> SamplerOutput:
     """The step's output; with ``record_rows`` the sampled ids recorded in the state (by
     the record kernel unless a kernel of the step did it)."""
     if record_rows is not None:
-        if recorded:
-            rows_host = record_rows[0]
-            if rows_host is not None:
-                state.pos_host[rows_host] += 1
-        else:
-            record_sampled_triton(state, idx_mapping, tok, record_rows[0])
+        if not recorded:
+            launch_record(state, idx_mapping, tok)
+        if record_rows[0] is not None:
+            state.pos_host[record_rows[0]] += 1
     return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
 
 
@@ -369,8 +359,9 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
                     thr, record: dict | None) -> tuple[torch.Tensor, bool]:
     """The kernels of :mod:`sampler.kernels.candidates`; returns the per-row ``done`` flags
     and whether some row may be left to the fused kernel (ineligible, or a list that can
-    overflow or fall short). ``record``: the record arguments of :func:`_record_kwargs`
-    (the finish kernel then records the rows it settles), or None. ``bans``:
+    overflow or fall short). ``record``: the record keyword arguments
+    (:func:`sampler.kernels.record.record_kwargs` with ``RECORD``: the finish kernel then
+    records the rows it settles), or None. ``bans``:
     ``[rows, words]`` int64 that the finish kernel fills with the bad-word bans (None
     without bad words)."""
     chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
@@ -415,15 +406,8 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
     rec = torch.empty(rows, REC_WIDTH.value, dtype=torch.float32, device=dev)
     every_row = plan.max_select_k <= cfg.cand_kmax and not plan.do_allowed
     left = not every_row or any_list or has_touch
-    # the finish kernel records the rows it settles (the fused kernel, after it, the others:
-    # each reads and advances only its own rows' slots)
-    if record is not None:
-        rkw = dict(record)
-        rtabs = tuple(rkw.pop(n) for n in ("r_counts_ptr", "r_pbits_ptr", "r_tbits_ptr",
-                                           "r_recent_ptr", "R_RW"))
-        rflags = rkw
-    else:
-        rtabs, rflags = (i32, i32, i32, i64, 1), {}
+    # with `record` the finish kernel records the rows it settles (the fused kernel, after
+    # it, the others: each reads and advances only its own rows' slots)
     small = min(cap, max(128, triton.next_power_of_2(kout)))  # the finish kernel's sorts
     _cand_finish_kernel[(rows,)](
         logits, logits.stride(0), vocab, (vocab + 31) // 32, *params, state.positions,
@@ -431,7 +415,7 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
         state.stop_ids, state.stop_ids.shape[1], words, wlens, nw, wl, recent, rw,
         i64 if bans is None else bans, part, part_i, nchunk, cfg.cand_kmax, lval, lid, proc,
         counters, tval, tid, cfg.cand_tcap, tok, lp, rank, topk_ids, topk_vals, kout, thr, done,
-        vtok, rec, *rtabs, **rflags,
+        vtok, rec, **(record or {}),
         HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
         HAS_BAN=plan.do_bad_words, HAS_TOUCH=has_touch, ANY_LP=plan.any_logprobs,
         ANY_LIST=any_list, CAP=cap, SMALL=small, MID=max(small, min(512, cap)),

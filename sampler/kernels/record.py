@@ -23,9 +23,8 @@ PRES: tl.constexpr = tl.constexpr(PRESENCE)
 @triton.jit
 def _record_row(
     slot, tok, positions_ptr, counts_ptr, pbits_ptr, tbits_ptr, fparams_ptr, stride_f,
-    recent_ptr, V, W, RW,
-    HAS_COUNTS: tl.constexpr, HAS_TOUCH: tl.constexpr, HAS_RECENT: tl.constexpr,
-    RWP2: tl.constexpr,
+    recent_ptr, V, W, RW, HAS_COUNTS: tl.constexpr, HAS_TOUCH: tl.constexpr,
+    HAS_RECENT: tl.constexpr, RWP2: tl.constexpr,
 ):
     """Advances ``slot`` by its sampled token ``tok`` (every table the state keeps)."""
     tl.store(positions_ptr + slot, tl.load(positions_ptr + slot) + 1)
@@ -52,44 +51,48 @@ def _record_row(
 
 @triton.jit
 def _record_kernel(
-    idx_ptr, tok_ptr, positions_ptr, counts_ptr, pbits_ptr, tbits_ptr, fparams_ptr, stride_f,
-    recent_ptr, V, W, RW,
-    HAS_COUNTS: tl.constexpr, HAS_TOUCH: tl.constexpr, HAS_RECENT: tl.constexpr,
-    RWP2: tl.constexpr,
+    idx_ptr, tok_ptr, positions_ptr, fparams_ptr, stride_f, V, W,
+    r_counts_ptr, r_pbits_ptr, r_tbits_ptr, r_recent_ptr, R_RW,
+    R_COUNTS: tl.constexpr, R_TOUCH: tl.constexpr, R_RECENT: tl.constexpr,
+    R_RWP2: tl.constexpr,
 ):
     row = tl.program_id(0)
-    _record_row(tl.load(idx_ptr + row), tl.load(tok_ptr + row), positions_ptr, counts_ptr,
-                pbits_ptr, tbits_ptr, fparams_ptr, stride_f, recent_ptr, V, W, RW,
-                HAS_COUNTS, HAS_TOUCH, HAS_RECENT, RWP2)
+    _record_row(tl.load(idx_ptr + row), tl.load(tok_ptr + row), positions_ptr, r_counts_ptr,
+                r_pbits_ptr, r_tbits_ptr, fparams_ptr, stride_f, r_recent_ptr, V, W, R_RW,
+                R_COUNTS, R_TOUCH, R_RECENT, R_RWP2)
 
 
-def record_tables(state, device) -> tuple[tuple, dict]:
-    """The state's tables as the record arguments (placeholders for the absent ones) and the
-    matching constexprs."""
+def record_kwargs(state, device) -> dict:
+    """The state's tables as the record keyword arguments (``r_*``: placeholders for the
+    absent ones, with the matching constexprs) that ``_record_kernel``, and the kernels that
+    record a step themselves, take."""
     from sampler.kernels.pipeline import placeholder
 
     none32 = placeholder(device, torch.int32)
     recent = state.recent_tokens
     rw = recent.shape[1] if recent is not None else 1
-    args = (state.positions,
-            none32 if state.output_counts is None else state.output_counts,
-            none32 if state.penalty_bits is None else state.penalty_bits,
-            none32 if state.touch_bits is None else state.touch_bits,
-            state.fparams, state.fparams.stride(0),
-            placeholder(device, torch.int64) if recent is None else recent,
-            state.vocab_size, (state.vocab_size + 31) // 32, rw)
-    flags = dict(HAS_COUNTS=state.output_counts is not None,
-                 HAS_TOUCH=state.touch_bits is not None, HAS_RECENT=recent is not None,
-                 RWP2=triton.next_power_of_2(rw))
-    return args, flags
+    return dict(
+        r_counts_ptr=none32 if state.output_counts is None else state.output_counts,
+        r_pbits_ptr=none32 if state.penalty_bits is None else state.penalty_bits,
+        r_tbits_ptr=none32 if state.touch_bits is None else state.touch_bits,
+        r_recent_ptr=placeholder(device, torch.int64) if recent is None else recent,
+        R_RW=rw, R_COUNTS=state.output_counts is not None,
+        R_TOUCH=state.touch_bits is not None, R_RECENT=recent is not None,
+        R_RWP2=triton.next_power_of_2(rw))
+
+
+def launch_record(state, idx_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """The device part of :meth:`~sampler.state.SamplerState.record_sampled`, one launch."""
+    if idx_mapping.shape[0]:
+        _record_kernel[(idx_mapping.shape[0],)](
+            idx_mapping, token_ids, state.positions, state.fparams, state.fparams.stride(0),
+            state.vocab_size, (state.vocab_size + 31) // 32,
+            **record_kwargs(state, idx_mapping.device), num_warps=1)
 
 
 def record_sampled_triton(state, idx_mapping: torch.Tensor, token_ids: torch.Tensor,
                           rows_host) -> None:
     """:meth:`~sampler.state.SamplerState.record_sampled` as one launch (same arguments)."""
-    rows = idx_mapping.shape[0]
-    if rows:
-        args, flags = record_tables(state, idx_mapping.device)
-        _record_kernel[(rows,)](idx_mapping, token_ids, *args, **flags, num_warps=1)
+    launch_record(state, idx_mapping, token_ids)
     if rows_host is not None:
         state.pos_host[rows_host] += 1
