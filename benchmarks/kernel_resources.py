@@ -31,7 +31,7 @@ POINTERS = {
     "rec_ptr": "*fp32", "best_ptr": "*i32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
     "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
     "tbits_ptr": "*i32", "lval_ptr": "*fp32", "lid_ptr": "*i32", "tval_ptr": "*fp32",
-    "tid_ptr": "*i32", "proc_ptr": "*fp32",
+    "tid_ptr": "*i32", "proc_ptr": "*fp32", "scratch_ptr": "*i32",
     "words_ptr": "*i64", "wlens_ptr": "*i64", "recent_ptr": "*i64", "r_counts_ptr": "*i32",
     "r_pbits_ptr": "*i32", "r_tbits_ptr": "*i32", "r_recent_ptr": "*i64",
 }
@@ -76,6 +76,8 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
+    import triton
+
     from sampler.kernels import candidates, chunked, record
     from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
     from sampler.kernels.pipeline import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
@@ -87,6 +89,11 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
                  FAST=cfg.fast, HAS_DONE=False)
     greedy = dict(NO_MASKS, ANY_RANDOM=False, ANY_SEL=False, ANY_MASS=False, ANY_RK=False)
     block, warps = args.chunk_block, args.chunk_warps
+    chunk = cfg.cand_chunk // cfg.cand_block * cfg.cand_block
+    cand = dict(BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch,
+                CG=triton.next_power_of_2(triton.cdiv(chunk // cfg.cand_block, cfg.cand_vec)),
+                CELLCAP=cfg.cand_cellcap, CW=triton.next_power_of_2(chunk // 32),
+                GW=cfg.cand_gw)
     return [
         ("fused, full workload", _fused_sampler_kernel, fused, cfg.num_warps),
         ("fused, greedy + top-k logprobs", _fused_sampler_kernel,
@@ -109,11 +116,9 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
          dict(ANY_LP=True, ANY_RANDOM=True, ANY_RK=True, CAP=cfg.cap, DRAW=True), warps),
         ("chunked rank", chunked._chunk_rank_kernel, dict(BLOCK=block), warps),
         ("candidate stats, full", candidates._cand_stats_kernel,
-         dict(HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, BLOCK=cfg.cand_block,
-              VEC=cfg.cand_vec, PREFETCH=cfg.prefetch), cfg.cand_warps),
+         dict(cand, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True), cfg.cand_warps),
         ("candidate stats, greedy + logprob", candidates._cand_stats_kernel,
-         dict(HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False, BLOCK=cfg.cand_block,
-              VEC=cfg.cand_vec, PREFETCH=cfg.prefetch), cfg.cand_warps),
+         dict(cand, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False), cfg.cand_warps),
         ("candidate finish, full", candidates._cand_finish_kernel,
          dict(LIST_MASKS, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, CAP=cfg.cand_cap,
               NCP2=16, NWP2=4, WLP2=4, TB=256, SMALL=128, MID=512), cfg.cand_finish_warps),

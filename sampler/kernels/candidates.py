@@ -5,12 +5,14 @@ to ``KMAX``) everything the step needs lies in a few hundred tokens: the top-k b
 value (min-p and top-p act inside it) and the raw top-n for the logprobs. Two kernels:
 
 1. ``_cand_stats_kernel`` (grid rows x vocab chunks) reads each chunk once: the raw and
-   temperature log-sum-exps over every token; the greedy (value, lowest index) and the
-   per-lane maxima of the *untouched* tokens (touch bit clear: processed value = raw value,
+   temperature log-sum-exps over every token; the greedy (value, lowest index), the
+   per-lane maxima and the per-cell maxima (a cell: a lane's tokens in a few consecutive
+   tiles) of the *untouched* tokens (touch bit clear: processed value = raw value,
    :mod:`sampler.state`); the chunk bound ``t_c``, the K-th largest lane maximum
-   (``K = max(top_k, logprobs)``), and then (a second pass over the chunk, from L2) every
-   untouched token ``>= t_c`` appended to the row's candidate list. Touched tokens are
-   appended, with their raw values, to the row's touched list.
+   (``K = max(top_k, logprobs)``). Then only the cells whose maximum reaches ``t_c`` are
+   read again (from L2), and their untouched tokens ``>= t_c`` appended to the row's
+   candidate list; the touched tokens, found from the chunk's nonzero touch words, are
+   appended with their raw values to the row's touched list.
 2. ``_cand_finish_kernel`` (one program per row) combines the chunks, runs steps 2-6 on the
    touched tokens only (:func:`sampler.kernels.process._processed` on their ids), adds those
    that can matter to the candidates, sorts them exactly (value desc, id asc; a sort of 128,
@@ -20,7 +22,8 @@ value (min-p and top-p act inside it) and the raw top-n for the logprobs. Two ke
 
 Why the candidates suffice: K distinct untouched tokens of chunk c are ``>= t_c``, so the
 row's K-th largest value is ``>= t_c``, while every untouched token left out is at most
-``t = max_c u_c`` (``u_c``: the largest value chunk c left out). The finish kernel checks in
+``t = max_c u_c`` (``u_c``: the largest value chunk c left out: the largest maximum of the
+cells not read again, or a token of the others below ``t_c``). The finish kernel checks in
 the arithmetic of each decision that nothing left out can matter: the kept set's threshold
 must exceed ``f(t)`` (``f`` the division by T: a value below ``t`` can still round to the
 threshold), the n-th top logprob must exceed the mode value of ``t``, and the sampled
@@ -93,11 +96,12 @@ def _untouched(raw, trow, first, offs, V, HAS_TOUCH: tl.constexpr):
 def _put(vals_ptr, ids_ptr, counter, sel, vals, ids, CAP):
     """Appends ``(vals, ids)[sel]`` of a ``[R, VEC]`` tile to a list (two arrays) through an
     atomic counter: one atomic a tile row, positions within the row by a prefix sum (the
-    order of the entries is arbitrary; readers sort them). The counter ends at the number
+    order of the entries is arbitrary; readers sort them, in a later kernel: the atomics
+    need no ordering). The counter ends at the number
     of entries asked for, which may exceed ``CAP`` (those beyond are dropped)."""
     sel_i = sel.to(tl.int32)
     cnt = tl.sum(sel_i, 1)
-    base = tl.atomic_add(counter + tl.zeros_like(cnt), cnt, mask=cnt > 0)
+    base = tl.atomic_add(counter + tl.zeros_like(cnt), cnt, mask=cnt > 0, sem="relaxed")
     pos = base[:, None] + tl.cumsum(sel_i, 1) - sel_i
     put = sel & (pos < CAP)
     tl.store(vals_ptr + pos, vals, mask=put)
@@ -108,11 +112,17 @@ def _put(vals_ptr, ids_ptr, counter, sel, vals, ids, CAP):
 def _cand_stats_kernel(
     logits_ptr, stride_row, V, W, idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i,
     tbits_ptr, part_ptr, part_i_ptr, NCHUNK, CHUNK, KMAX,
-    lval_ptr, lid_ptr, counter_ptr, tval_ptr, tid_ptr, CAP, TCAP,
+    lval_ptr, lid_ptr, counter_ptr, tval_ptr, tid_ptr, CAP, TCAP, scratch_ptr,
     HAS_TOUCH: tl.constexpr, ANY_LP: tl.constexpr, ANY_LIST: tl.constexpr,
-    BLOCK: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr, CG: tl.constexpr,
+    CELLCAP: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr,
 ):
-    """Step 1, grid rows x chunks (module docstring)."""
+    """Step 1, grid rows x chunks (module docstring). The chunk is read once; what the lists
+    need beyond the statistics is found from per-cell maxima kept in registers (a cell: one
+    lane's ``VEC`` tokens in ``CG`` consecutive tiles, so lane r of tile j is in cell
+    ``(r, j // CG)``; ``CG`` a power of two, ``CG * VEC`` tiles a chunk at most): the cells whose maximum reaches
+    ``t_c`` are compacted into ``scratch`` and only their tokens are read again (from L2).
+    Touched tokens are found from the chunk's nonzero touch words, compacted the same way."""
     NEG = float("-inf")
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -126,12 +136,14 @@ def _cand_stats_kernel(
     base = logits_ptr + row.to(tl.int64) * stride_row
     trow = tbits_ptr + slot.to(tl.int64) * W
     ctr = counter_ptr + row * 2
+    scr = scratch_ptr + (row * NCHUNK + c).to(tl.int64) * (CELLCAP + CW)
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     lane = tl.arange(0, R)
     col = tl.arange(0, VEC)
     acc_bv = tl.full([R], NEG, tl.float32)  # per-lane max of the untouched values
     acc_bs = tl.zeros([R], dtype=tl.int32) + lo  # start of the tile where it was reached
+    acc_cell = tl.full([R, VEC], NEG, tl.float32)  # per-cell max of the untouched values
     acc_mr = tl.full([R], NEG, tl.float32)
     acc_lr = tl.zeros([R], dtype=tl.float32)
     acc_mt = tl.full([R], NEG, tl.float32)
@@ -142,16 +154,14 @@ def _cand_stats_kernel(
         first = start + lane * VEC
         offs = first[:, None] + col[None, :]
         raw = cur.to(tl.float32)  # -inf past hi
-        y = raw
-        if HAS_TOUCH:
-            t = _touched(trow, first, offs, V)
-            y = tl.where(t, NEG, raw)
-            _put(tval_ptr + row.to(tl.int64) * TCAP, tid_ptr + row.to(tl.int64) * TCAP,
-                 ctr + 1, t & (raw > NEG), raw, offs, TCAP)
+        y = _untouched(raw, trow, first, offs, V, HAS_TOUCH)
         tv = tl.max(y, 1)
         upd = tv > acc_bv
         acc_bv = tl.where(upd, tv, acc_bv)
         acc_bs = tl.where(upd, start, acc_bs)
+        if ANY_LIST:
+            g = (start - lo) // (BLOCK * CG)
+            acc_cell = tl.where(col[None, :] == g, tl.maximum(acc_cell, tv[:, None]), acc_cell)
         if ANY_LP:
             if lp_on:
                 acc_mr, acc_lr = _online_lse(raw, acc_mr, acc_lr)
@@ -168,23 +178,64 @@ def _cand_stats_kernel(
         best_v, best_i = _best(acc_bv, first + j)
         bi = tl.where(best_v > NEG, best_i, lo)
     u_c = NEG  # the largest untouched value left out of the list
+    n_cell = 0
+    t_c = NEG
+    list_on = False
     if ANY_LIST:
         if K > 0:
+            list_on = True
             t_c = _kth_largest(acc_bv, K)
+            # the cells that can hold a token >= t_c, in lane-major order into the scratch
+            csel = (acc_cell >= t_c) & (acc_cell > NEG)
+            u_c = tl.max(tl.max(tl.where(csel, NEG, acc_cell), 1), 0)
+            ci = csel.to(tl.int32)
+            per_lane = tl.sum(ci, 1)
+            pos = (tl.cumsum(per_lane, 0) - per_lane)[:, None] + tl.cumsum(ci, 1) - ci
+            n_cell = tl.sum(per_lane, 0)
+            cstart = lo + col[None, :] * (CG * BLOCK) + lane[:, None] * VEC
+            tl.store(scr + pos, cstart, mask=csel & (pos < CELLCAP))
+    n_word = 0
+    if HAS_TOUCH:  # the chunk's nonzero touch words, compacted after the cells
+        wi = tl.arange(0, CW)
+        w0 = lo // 32
+        wv = tl.load(trow + w0 + wi, mask=wi < (hi - lo + 31) // 32, other=0)
+        nz = (wv != 0).to(tl.int32)
+        n_word = tl.sum(nz, 0)
+        tl.store(scr + CELLCAP + tl.cumsum(nz, 0) - nz, w0 + wi, mask=nz != 0)
+    if list_on | HAS_TOUCH:
+        tl.debug_barrier()  # the scratch written above is read by other threads below
+    if list_on:
+        if n_cell > CELLCAP:  # too many cells: the row's list is marked overflowing
+            tl.atomic_add(ctr, CAP + 1, sem="relaxed")
+        else:
             lval = lval_ptr + row.to(tl.int64) * CAP
             lid = lid_ptr + row.to(tl.int64) * CAP
-            acc_u = tl.full([R], NEG, tl.float32)
-            pre, pre2 = _first_tiles(base, lo, hi, R, VEC, PREFETCH)
-            for start in range(lo, hi, BLOCK):
-                cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
-                first = start + lane * VEC
+            # R lane-rows of VEC tokens at a time, as in a tile: row i is tile i % CG of
+            # cell i // CG
+            for rb in range(0, n_cell * CG, R):
+                ri = rb + lane
+                live = ri < n_cell * CG
+                first = tl.load(scr + ri // CG, mask=live, other=0) + (ri % CG) * BLOCK
                 offs = first[:, None] + col[None, :]
-                raw = cur.to(tl.float32)
+                raw = tl.load(base + offs, mask=live[:, None] & (offs < hi),
+                              other=NEG).to(tl.float32)
                 y = _untouched(raw, trow, first, offs, V, HAS_TOUCH)
                 sel = (y >= t_c) & (y > NEG)
                 _put(lval, lid, ctr, sel, raw, offs, CAP)
-                acc_u = tl.maximum(acc_u, tl.max(tl.where(sel, NEG, y), 1))
-            u_c = tl.max(acc_u, 0)
+                u_c = tl.maximum(u_c, tl.max(tl.max(tl.where(sel, NEG, y), 1), 0))
+    if HAS_TOUCH:  # every touched token of the chunk into the touched list
+        tval = tval_ptr + row.to(tl.int64) * TCAP
+        tid = tid_ptr + row.to(tl.int64) * TCAP
+        b = tl.arange(0, 32)
+        for gs in range(0, n_word, GW):
+            gi = gs + tl.arange(0, GW)
+            gm = gi < n_word
+            wid = tl.load(scr + CELLCAP + gi, mask=gm, other=0)
+            bits = tl.load(trow + wid, mask=gm, other=0)
+            toks = wid[:, None] * 32 + b[None, :]
+            on = (((bits[:, None] >> b[None, :]) & 1) != 0) & gm[:, None] & (toks < hi)
+            raw = tl.load(base + toks, mask=on, other=NEG).to(tl.float32)
+            _put(tval, tid, ctr + 1, on & (raw > NEG), raw, toks, TCAP)
     mr, lr = _lse_pair(acc_mr, acc_lr)
     mt, lt = _lse_pair(acc_mt, acc_lt)
     out = part_ptr + (row * NCHUNK + c) * PART_WIDTH

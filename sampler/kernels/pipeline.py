@@ -83,6 +83,10 @@ class LaunchConfig:
     cand_tcap: int = 4096
     cand_kmax: int = 64
     cand_finish_warps: int = 4
+    # statistics kernel: selected cells a chunk (more: the row falls back), touch words
+    # expanded at a time
+    cand_cellcap: int = 256
+    cand_gw: int = 32
 
 
 _config_override: LaunchConfig | None = None
@@ -385,11 +389,18 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
     tbits = state.touch_bits if has_touch else i32
     params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
               state.iparams.stride(0))
+    # cells of `cg` tiles (a power of two, at most `cand_vec` cells a lane and chunk); the
+    # scratch holds a chunk's selected cells, then its nonzero touch words
+    cg = triton.next_power_of_2(triton.cdiv(chunk // cfg.cand_block, cfg.cand_vec))
+    cw = triton.next_power_of_2(chunk // 32)
+    scratch = (torch.empty(rows, nchunk, cfg.cand_cellcap + cw, dtype=torch.int32, device=dev)
+               if any_list or has_touch else i32)
     _cand_stats_kernel[(rows, nchunk)](
         logits, logits.stride(0), vocab, (vocab + 31) // 32, *params, tbits, part, part_i,
         nchunk, chunk, cfg.cand_kmax, lval, lid, counters, tval, tid, cap, cfg.cand_tcap,
-        HAS_TOUCH=has_touch, ANY_LP=plan.any_logprobs, ANY_LIST=any_list,
-        BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch,
+        scratch, HAS_TOUCH=has_touch, ANY_LP=plan.any_logprobs, ANY_LIST=any_list,
+        BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch, CG=cg,
+        CELLCAP=cfg.cand_cellcap, CW=cw, GW=cfg.cand_gw,
         num_warps=cfg.cand_warps, enable_fp_fusion=False)
     nw = wl = rw = 1
     words = wlens = recent = i64

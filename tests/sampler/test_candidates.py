@@ -177,7 +177,8 @@ def test_greedy_ties_and_ranks_counted_over_the_row():
     assert int(out.ranks[3]) == 2
 
 
-@pytest.mark.parametrize("change", [dict(cand_cap=64), dict(cand_tcap=16), dict(cand_kmax=4)])
+@pytest.mark.parametrize("change", [dict(cand_cap=64), dict(cand_tcap=16), dict(cand_kmax=4),
+                                    dict(cand_cellcap=8)])
 def test_rows_the_path_cannot_settle_go_to_the_fused_kernel(change):
     """Candidate or touched lists that overflow, and rows beyond the path's top-k bound, are
     left to the fused kernel (done = 0): the step's outputs still equal torch's."""
@@ -189,8 +190,30 @@ def test_rows_the_path_cannot_settle_go_to_the_fused_kernel(change):
     ref, out, done, _, _ = _run(sampler, slots, logits, _config(**change))
     assert_same(ref, out)
     # the long-prompt top-k 50 rows: too many candidates for 64 entries, touched tokens for
-    # 16, a top-k beyond 4
+    # 16, a top-k beyond 4, more than 8 cells of a chunk reaching its bound
     assert (done[:3] == 0).all(), done
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_cells_of_several_tiles(seed):
+    """Chunks of 32 tiles, so a cell holds a lane's tokens of 8 consecutive tiles (the GPU
+    shape; the interpreter's default chunks have one-tile cells), over three chunks, the last
+    one partial, touch words expanded 8 at a time: the outputs equal torch's and the eligible
+    rows settle on the path."""
+    vocab = 20000
+    sampler, slots = make_batch(300 + seed, 6, vocab, top_k=[1, 5, 50, 0])
+    for slot in slots[:2]:  # touched tokens in every chunk
+        p = SamplingParams(top_k=50, repetition_penalty=1.3, frequency_penalty=0.5,
+                           logprobs=5, seed=int(slot))
+        sampler.add_request(int(slot), p, list(range(7, vocab, 301)), seed=int(slot))
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    logits = logits.to(torch.bfloat16 if seed else torch.float32).to(DEVICE)
+    ref, out, done, _, _ = _run(sampler, slots, logits,
+                                _config(cand_chunk=8192, cand_block=256, cand_vec=4,
+                                        cand_gw=8))
+    assert_same(ref, out)
+    eligible = _eligible(sampler, slots, _config().cand_kmax)
+    assert (done.numpy()[eligible] > 0).all(), (done, eligible)
 
 
 def test_all_greedy_steps_without_top_logprobs_take_the_greedy_split():
@@ -285,11 +308,14 @@ def _collide(T: float) -> tuple[float, float]:
     raise AssertionError("no colliding pair")
 
 
-def test_rounding_ties_with_unlisted_tokens_go_to_the_fused_kernel():
+@pytest.mark.parametrize("unlisted", [(0, 4), (501, 505)])
+def test_rounding_ties_with_unlisted_tokens_go_to_the_fused_kernel(unlisted):
     """A token below a chunk's bound is left out of the list, but its value / T can round to
     the kept set's threshold (a tie the spec keeps) or its temperature logprob to the n-th top
     one: such rows are left to the fused kernel (done = 0), whose kept sets, draws and top
-    logprobs then equal torch's. Without the check the draws differ."""
+    logprobs then equal torch's. Without the check the draws differ. The unlisted tokens sit
+    in cells below the bound (0, 4) or in the cells of tokens at it (501, 505: read again,
+    then left out)."""
     from sampler.kernels.pipeline import launch_config
 
     T, vocab = 1.3, 1000
@@ -297,7 +323,7 @@ def test_rounding_ties_with_unlisted_tokens_go_to_the_fused_kernel():
     assert launch_config(vocab).cand_chunk >= vocab  # one chunk: lanes of 4 tokens a tile
     logits = torch.full((9, vocab), -3.0) + torch.rand(9, vocab) * 0.1
     logits[:, [500, 504, 508]] = v  # three lanes at v: the chunk bound for K = 3
-    logits[:, [0, 4]] = u  # below the bound: unlisted, yet u / T == v / T
+    logits[:, list(unlisted)] = u  # below the bound: unlisted, yet u / T == v / T
     logits[8, 496] = 3.0  # row 8: a top token; its n-th (3rd) top logprob ties with u's
     sampler = Sampler(9, vocab, device=DEVICE, eos_token_ids=[999], backend="torch")
     for slot in range(8):  # top-3: the tie at the threshold keeps all five tokens
@@ -308,8 +334,8 @@ def test_rounding_ties_with_unlisted_tokens_go_to_the_fused_kernel():
     ref, out, done, thresholds, _ = _run(sampler, np.arange(9), logits.to(DEVICE))
     assert (done == 0).all(), done
     assert_same(ref, out)
-    assert {int(t) for t in ref.token_ids[:8]} & {0, 4}  # some draws are the unlisted ties
-    assert ref.topk_ids[8].tolist() == [496, 0, 4]
+    assert {int(t) for t in ref.token_ids[:8]} & set(unlisted)  # some draws are the ties
+    assert ref.topk_ids[8].tolist() == [496] + sorted([*unlisted, 500, 504, 508])[:2]
 
 
 def test_touched_tokens_at_the_top_k_boundary():
@@ -334,3 +360,4 @@ def test_touched_tokens_at_the_top_k_boundary():
     assert torch.equal(thresholds.cpu(), torch.full((6,), 1.30, dtype=torch.float32))
     assert 12 in out.token_ids.tolist()
     assert out.topk_ids[4].tolist() == [500, 504, 508, 12, 520]
+
