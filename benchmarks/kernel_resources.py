@@ -32,6 +32,7 @@ POINTERS = {
     "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
     "tbits_ptr": "*i32", "lval_ptr": "*fp32", "lid_ptr": "*i32", "tval_ptr": "*fp32",
     "tid_ptr": "*i32", "proc_ptr": "*fp32", "scratch_ptr": "*i32",
+    "arrive_ptr": "*i32",
     "words_ptr": "*i64", "wlens_ptr": "*i64", "recent_ptr": "*i64", "r_counts_ptr": "*i32",
     "r_pbits_ptr": "*i32", "r_tbits_ptr": "*i32", "r_recent_ptr": "*i64",
 }
@@ -119,6 +120,9 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
          dict(cand, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True), cfg.cand_warps),
         ("candidate stats, greedy + logprob", candidates._cand_stats_kernel,
          dict(cand, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False), cfg.cand_warps),
+        ("candidate stats, greedy step", candidates._cand_stats_kernel,
+         dict(cand, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False, FINISH=True, NCP2=8,
+              RECORD=True), cfg.cand_warps),
         ("candidate finish, full", candidates._cand_finish_kernel,
          dict(LIST_MASKS, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, CAP=cfg.cand_cap,
               NCP2=16, NWP2=4, WLP2=4, TB=256, SMALL=128, MID=512), cfg.cand_finish_warps),

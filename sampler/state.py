@@ -125,6 +125,9 @@ class SamplerState:
         # tokens whose processed value may differ from the raw one (module docstring)
         self.touch_bits: torch.Tensor | None = None  # [S, ceil(V / 32)] int32
         self.recent_tokens: torch.Tensor | None = None  # [S, window] int64
+        # per row of a step, the chunk programs of a kernel that finished (the last one
+        # finishes the row, then sets it back to 0): the Triton greedy step in one launch
+        self.arrivals = torch.zeros(s, dtype=torch.int32, device=device)
         self._staged: dict[int, _Staged] = {}
         self._params_dirty = True
         self._tables_dirty = True

@@ -116,13 +116,23 @@ def _cand_stats_kernel(
     HAS_TOUCH: tl.constexpr, ANY_LP: tl.constexpr, ANY_LIST: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr, CG: tl.constexpr,
     CELLCAP: tl.constexpr, CW: tl.constexpr, GW: tl.constexpr,
+    arrive_ptr=None, positions_ptr=None, tok_ptr=None, lp_ptr=None, rank_ptr=None,
+    thr_ptr=None, FINISH: tl.constexpr = False, NCP2: tl.constexpr = 1,
+    r_counts_ptr=None, r_pbits_ptr=None, r_tbits_ptr=None, r_recent_ptr=None, R_RW=1,
+    RECORD: tl.constexpr = False, R_COUNTS: tl.constexpr = False,
+    R_TOUCH: tl.constexpr = False, R_RECENT: tl.constexpr = False, R_RWP2: tl.constexpr = 1,
 ):
     """Step 1, grid rows x chunks (module docstring). The chunk is read once; what the lists
     need beyond the statistics is found from per-cell maxima kept in registers (a cell: one
     lane's ``VEC`` tokens in ``CG`` consecutive tiles, so lane r of tile j is in cell
     ``(r, j // CG)``; ``CG`` a power of two, ``CG * VEC`` tiles a chunk at most): the cells whose maximum reaches
     ``t_c`` are compacted into ``scratch`` and only their tokens are read again (from L2).
-    Touched tokens are found from the chunk's nonzero touch words, compacted the same way."""
+    Touched tokens are found from the chunk's nonzero touch words, compacted the same way.
+
+    FINISH (a step of greedy rows of unprocessed logits without top logprobs): the last of a
+    row's chunk programs to finish (``arrive_ptr``: per row, how many have) combines the
+    row's partials and writes its token, logprob and rank (1), and with RECORD advances its
+    slot, so the step is this one launch."""
     NEG = float("-inf")
     R: tl.constexpr = BLOCK // VEC
     row = tl.program_id(0)
@@ -246,6 +256,53 @@ def _cand_stats_kernel(
     tl.store(out + P_LT, lt)
     tl.store(out + P_BOUND, u_c)
     tl.store(part_i_ptr + row * NCHUNK + c, bi)
+    if FINISH:
+        tl.debug_barrier()  # every thread's stores before the release below
+        if tl.atomic_add(arrive_ptr + row, 1, sem="acq_rel") == NCHUNK - 1:
+            tl.store(arrive_ptr + row, 0)  # for the next step
+            _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_f, T,
+                           lp_on, mode, part_ptr, part_i_ptr, NCHUNK, positions_ptr, tok_ptr,
+                           lp_ptr, rank_ptr, thr_ptr, r_counts_ptr, r_pbits_ptr, r_tbits_ptr,
+                           r_recent_ptr, R_RW, ANY_LP, NCP2, RECORD, R_COUNTS, R_TOUCH,
+                           R_RECENT, R_RWP2)
+
+
+@triton.jit
+def _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_f, T, lp_on,
+                   mode, part_ptr, part_i_ptr, NCHUNK, positions_ptr, tok_ptr, lp_ptr, rank_ptr,
+                   thr_ptr, r_counts_ptr, r_pbits_ptr, r_tbits_ptr, r_recent_ptr, R_RW,
+                   ANY_LP: tl.constexpr, NCP2: tl.constexpr, RECORD: tl.constexpr,
+                   R_COUNTS: tl.constexpr, R_TOUCH: tl.constexpr, R_RECENT: tl.constexpr,
+                   R_RWP2: tl.constexpr):
+    """A greedy row of unprocessed logits from its chunks' partials (read from L2: other
+    programs wrote them): the raw maximum's lowest index, its raw-family logprob, rank 1."""
+    NEG = float("-inf")
+    jc = tl.arange(0, NCP2)
+    live = jc < NCHUNK
+    pf = part_ptr + (row * NCHUNK + jc) * PART_WIDTH
+    best_v, best_i = _best(tl.load(pf + P_BEST, mask=live, other=NEG, cache_modifier=".cg"),
+                           tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0,
+                                   cache_modifier=".cg"))
+    tok = tl.where(best_v > NEG, best_i, 0)
+    if ANY_LP:
+        v_tok = float("nan")
+        rank = 0
+        if lp_on:
+            lse_r = _lse(tl.load(pf + P_MR, mask=live, other=NEG, cache_modifier=".cg"),
+                         tl.load(pf + P_LR, mask=live, other=0.0, cache_modifier=".cg"))
+            lse_t = _lse(tl.load(pf + P_MT, mask=live, other=NEG, cache_modifier=".cg"),
+                         tl.load(pf + P_LT, mask=live, other=0.0, cache_modifier=".cg"))
+            raw_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tok).to(tl.float32)
+            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            rank = 1
+        tl.store(lp_ptr + row, v_tok)
+        tl.store(rank_ptr + row, rank.to(tl.int64))
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(thr_ptr + row, NEG)
+    if RECORD:
+        _record_row(slot, tok.to(tl.int64), positions_ptr, r_counts_ptr, r_pbits_ptr,
+                    r_tbits_ptr, fparams_ptr, stride_f, r_recent_ptr, V, W, R_RW,
+                    R_COUNTS, R_TOUCH, R_RECENT, R_RWP2)
 
 
 @triton.jit

@@ -63,6 +63,10 @@ class LaunchConfig:
     # (tiles of `chunk_block`, `chunk_warps` warps), then the fused kernel at that size only
     # combines them (token, logprob, rank); off: the fused kernel alone
     greedy_split: bool = True
+    # all-greedy steps of unprocessed logits without top-k logprobs: one launch (the candidate
+    # path's statistics kernel, whose last program of a row finishes it); before the greedy
+    # split and the candidate path
+    greedy_one: bool = True
     # > 1: the row-pass loops of the fused kernel (statistics, draws, verification) are
     # software-pipelined this deep (tile loads run ahead into shared memory)
     stages: int = 1
@@ -282,6 +286,11 @@ def run_pipeline_triton(
     # pipeline: its rank kernel runs after the fused kernel's)
     record = (dict(record_kwargs(state, dev), RECORD=True)
               if record_rows is not None and not chunked else None)
+    if greedy_one(cfg, plan):
+        _run_greedy_one(cfg, plan, rows, vocab, dev, state, logits, idx_mapping, tok, lp, rank,
+                        thr, record)
+        return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+                       record_rows, record is not None)
     if on_cand:
         done, left = _run_candidates(
             cfg, plan, k, kout, rows, vocab, dev, state, logits, idx_mapping, bans, tok, lp,
@@ -348,6 +357,35 @@ def _finish(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals, state, i
         if record_rows[0] is not None:
             state.pos_host[record_rows[0]] += 1
     return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
+
+
+def greedy_one(cfg: LaunchConfig, plan: StepPlan) -> bool:
+    """Whether a step is one launch (:func:`_run_greedy_one`): every row greedy, nothing
+    changes the logits, no top-k logprobs."""
+    return (cfg.greedy_one and not cfg.chunked and cfg.split <= 0 and not plan.any_random
+            and not plan.mutates and plan.max_num_logprobs == 0)
+
+
+def _run_greedy_one(cfg: LaunchConfig, plan: StepPlan, rows: int, vocab: int, dev, state,
+                    logits, idx_mapping, tok, lp, rank, thr, record: dict | None) -> None:
+    """The candidate statistics kernel alone, each row finished by its last chunk program
+    (``FINISH``; with ``record``, the record keyword arguments, it also advances the
+    slots)."""
+    chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
+    nchunk = triton.cdiv(vocab, chunk)
+    i32, f32 = placeholder(dev, torch.int32), placeholder(dev, torch.float32)
+    part = torch.empty(rows, nchunk, PART_WIDTH.value, dtype=torch.float32, device=dev)
+    part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
+    _cand_stats_kernel[(rows, nchunk)](
+        logits, logits.stride(0), vocab, (vocab + 31) // 32, idx_mapping, state.fparams,
+        state.fparams.stride(0), state.iparams, state.iparams.stride(0), i32, part, part_i,
+        nchunk, chunk, cfg.cand_kmax, f32, i32, i32, f32, i32, 1, 1, i32,
+        arrive_ptr=state.arrivals, positions_ptr=state.positions, tok_ptr=tok, lp_ptr=lp,
+        rank_ptr=rank, thr_ptr=thr, FINISH=True, NCP2=triton.next_power_of_2(nchunk),
+        **(record or {}), HAS_TOUCH=False, ANY_LP=plan.any_logprobs, ANY_LIST=False,
+        BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch, CG=1,
+        CELLCAP=cfg.cand_cellcap, CW=1, GW=cfg.cand_gw, num_warps=cfg.cand_warps,
+        enable_fp_fusion=False)
 
 
 def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:

@@ -361,3 +361,61 @@ def test_touched_tokens_at_the_top_k_boundary():
     assert 12 in out.token_ids.tolist()
     assert out.topk_ids[4].tolist() == [500, 504, 508, 12, 520]
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_steps_in_one_launch(dtype):
+    """All-greedy steps of unprocessed logits without top logprobs run as the statistics
+    kernel alone, each row finished by its last chunk program: over three chunks, with ties
+    within a lane, across chunks and everywhere, every raw logprobs mode and rows without
+    logprobs, tokens, logprobs, ranks and the recorded state equal the torch sampler's over
+    steps, and the per-row arrival counts are back at 0 after each step."""
+    from sampler.kernels import pipeline
+    from sampler.plan import make_plan
+
+    vocab, rows = 3000, 5
+    assert pipeline.launch_config(vocab).cand_chunk < vocab / 2  # three chunks a row
+    samplers = [Sampler(8, vocab, device=DEVICE, eos_token_ids=[2], backend=b)
+                for b in ("torch", "triton")]
+    modes = ["raw_logprobs", "raw_logits", "temperature_logprobs"]
+    slots = [6, 1, 3, 0, 4]
+    for i, slot in enumerate(slots):
+        params = SamplingParams(temperature=0.0, logprobs=None if i == 3 else 0,
+                                logprobs_mode=modes[i % 3])
+        for s in samplers:
+            s.add_request(slot, params, [1, 2, 3], seed=i, bad_words_token_ids=())
+    launches = []
+    real = pipeline._run_greedy_one
+
+    def spy(*args, **kwargs):
+        launches.append(1)
+        return real(*args, **kwargs)
+
+    pipeline._run_greedy_one = spy
+    try:
+        for step in range(3):
+            logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(step)) * 2
+            logits[0, [3, 5, 2700]] = 9.0  # one lane (3, 5) and the last chunk
+            logits[1, [1500, 2999]] = 9.0  # the middle chunk first
+            logits[2, :] = -4.0  # every token ties
+            logits = logits.to(device=DEVICE, dtype=dtype)
+            plan = make_plan(samplers[1].state, np.asarray(slots))
+            assert pipeline.greedy_one(pipeline.launch_config(vocab), plan)
+            ref, out = (s.sample(logits.clone(), slots) for s in samplers)
+            assert out.token_ids[:3].tolist() == [3, 1500, 0]
+            assert_same(ref, out)
+            assert len(launches) == step + 1
+            assert int(samplers[1].state.arrivals.abs().sum()) == 0
+            for name in ("positions", "recent_tokens"):
+                ta, tb = (getattr(s.state, name) for s in samplers)
+                assert (ta is None and tb is None) or torch.equal(ta, tb), name
+    finally:
+        pipeline._run_greedy_one = real
+    # a penalty (the logits change) or top logprobs: not this path
+    for s in samplers:
+        s.add_request(7, SamplingParams(temperature=0.0, repetition_penalty=1.2), [1], seed=7)
+    plan = make_plan(samplers[1].state, np.asarray(slots + [7]))
+    assert not pipeline.greedy_one(pipeline.launch_config(vocab), plan)
+    for s in samplers:
+        s.add_request(7, SamplingParams(temperature=0.0, logprobs=2), [1], seed=7)
+    plan = make_plan(samplers[1].state, np.asarray(slots + [7]))
+    assert not pipeline.greedy_one(pipeline.launch_config(vocab), plan)
