@@ -1,7 +1,9 @@
 """The Triton backend of the sampling pipeline: builds the kernels' tables and launches them
 (the candidate path, :mod:`sampler.kernels.candidates`, for the greedy and top-k rows it
 takes; the fused kernel, :mod:`sampler.kernels.fused`, for the others and the rows the path
-leaves; the chunked pipeline or the greedy split where configured).
+leaves; all-greedy steps of unprocessed logits without top logprobs as one launch of the
+candidate path's statistics kernel; the chunked pipeline or the greedy split where
+configured).
 
 Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for something the
 fused kernel does not compute (processed logprobs modes, whole-vocab logprobs, more top-k
@@ -389,8 +391,9 @@ def _run_greedy_one(cfg: LaunchConfig, plan: StepPlan, rows: int, vocab: int, de
 
 
 def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
-    """Whether a step runs the candidate path: some row may be eligible for it, and the step
-    is not all-greedy without top logprobs (the greedy split's kernels are faster there)."""
+    """Whether a step runs the candidate path (unless :func:`greedy_one` takes it): some row
+    may be eligible for it, and the step is not all-greedy without top logprobs (the greedy
+    split's kernels are faster there)."""
     greedy_split = cfg.greedy_split and not plan.any_random and plan.max_num_logprobs == 0
     return (cfg.cand and not cfg.chunked and not greedy_split
             and plan.min_select_k <= cfg.cand_kmax)
