@@ -29,8 +29,10 @@ VERSION = 1
 # Fault injection for the reliability tests (docs/reliability.md), off unless this variable
 # is set: "kill-driver@first-commit" / "kill-driver@final-manifest" make the driver SIGKILL
 # itself once the manifest recording the job's first commit / marking it finished is written
-# to its temporary file, before the rename.
+# to its temporary file, before the rename; "slow-commits" makes it wait SLOW_COMMIT_S after
+# recording each commit (so a test's own SIGKILL lands mid-job however fast the shards run).
 FAULTS_ENV = "RAYGEN_TEST_FAULTS"
+SLOW_COMMIT_S = 0.5
 
 
 def _fault_point(name: str) -> Callable[[], None] | None:
@@ -139,6 +141,8 @@ class Manifest:
         first = not self.committed
         self.committed[str(shard_id)] = entry
         self.save(_fault_point("first-commit") if first else None)
+        if "slow-commits" in os.environ.get(FAULTS_ENV, "").split(","):
+            time.sleep(SLOW_COMMIT_S)
 
     def save(self, before_rename: Callable[[], None] | None = None) -> None:
         """Writes the manifest to a temporary file and renames it into place."""

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs.manifest import MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
 from jobs.runner import run_job
 from sampler import derive_seed
 from tests.jobs.acceptance_data import (DEFAULTS, ENGINE, acceptance_rows, malformed_rows,
@@ -140,9 +140,12 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
     config = _config(job_a["config"]["model"], root / "in", out_c,
                      ray_address=ray_local.get_runtime_context().gcs_address)
     (root / "job-c.yaml").write_text(yaml.safe_dump(config))
+    # commits paced at one per 0.5 s (RAYGEN_TEST_FAULTS=slow-commits): the shards of this
+    # small job can otherwise all commit between two polls, and the kill would come too late
     driver = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "run", str(root / "job-c.yaml"),
                                "--no-progress"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL,
+                              env={**os.environ, FAULTS_ENV: "slow-commits"})
     try:
         committed: dict = {}
         deadline = time.monotonic() + 240
