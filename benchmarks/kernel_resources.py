@@ -77,11 +77,10 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
-    import triton
-
     from sampler.kernels import candidates, chunked, record
     from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
-    from sampler.kernels.pipeline import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
+    from sampler.kernels.pipeline import (FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig,
+                                          cand_geometry)
 
     cfg = LaunchConfig()
     fused = dict(MASKS, ANY_LP=True, ANY_RANDOM=True, ANY_SEL=True, ANY_MASS=True, ANY_RK=True,
@@ -90,11 +89,9 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
                  FAST=cfg.fast, HAS_DONE=False)
     greedy = dict(NO_MASKS, ANY_RANDOM=False, ANY_SEL=False, ANY_MASS=False, ANY_RK=False)
     block, warps = args.chunk_block, args.chunk_warps
-    chunk = cfg.cand_chunk // cfg.cand_block * cfg.cand_block
-    cand = dict(BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch,
-                CG=triton.next_power_of_2(triton.cdiv(chunk // cfg.cand_block, cfg.cand_vec)),
-                CELLCAP=cfg.cand_cellcap, CW=triton.next_power_of_2(chunk // 32),
-                GW=cfg.cand_gw)
+    _chunk, _n, cg, cw = cand_geometry(cfg, 151936)
+    cand = dict(BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch, CG=cg,
+                CELLCAP=cfg.cand_cellcap, CW=cw, GW=cfg.cand_gw)
     return [
         ("fused, full workload", _fused_sampler_kernel, fused, cfg.num_warps),
         ("fused, greedy + top-k logprobs", _fused_sampler_kernel,

@@ -44,7 +44,7 @@ import triton.language as tl
 from sampler.kernels.chunked import REC_LSE_R, REC_LSE_T, REC_WIDTH, _row_flags
 from sampler.kernels.fused import (_best, _first_tiles, _gumbel_max_of, _kth_largest,
                                    _lse, _lse_pair, _mode_value, _next_tile, _online_lse,
-                                   _top_p_within)
+                                   _token_value, _top_p_within)
 from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.process import _processed, _row_processing
 from sampler.kernels.record import _record_row
@@ -268,6 +268,26 @@ def _cand_stats_kernel(
 
 
 @triton.jit
+def _chunk_partials(part_ptr, part_i_ptr, row, NCHUNK, NCP2: tl.constexpr):
+    """A row's chunk partials combined: (greedy value, its lowest index, raw maximum, raw and
+    temperature log-sum-exps, largest unlisted value). Read from L2 (``.cg``): other
+    programs, or the kernel before, wrote them."""
+    NEG = float("-inf")
+    jc = tl.arange(0, NCP2)
+    live = jc < NCHUNK
+    pf = part_ptr + (row * NCHUNK + jc) * PART_WIDTH
+    best_v, best_i = _best(tl.load(pf + P_BEST, mask=live, other=NEG, cache_modifier=".cg"),
+                           tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0,
+                                   cache_modifier=".cg"))
+    acc_mr = tl.load(pf + P_MR, mask=live, other=NEG, cache_modifier=".cg")
+    lse_r = _lse(acc_mr, tl.load(pf + P_LR, mask=live, other=0.0, cache_modifier=".cg"))
+    lse_t = _lse(tl.load(pf + P_MT, mask=live, other=NEG, cache_modifier=".cg"),
+                 tl.load(pf + P_LT, mask=live, other=0.0, cache_modifier=".cg"))
+    t = tl.max(tl.load(pf + P_BOUND, mask=live, other=NEG, cache_modifier=".cg"), 0)
+    return best_v, best_i, tl.max(acc_mr, 0), lse_r, lse_t, t
+
+
+@triton.jit
 def _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_f, T, lp_on,
                    mode, part_ptr, part_i_ptr, NCHUNK, positions_ptr, tok_ptr, lp_ptr, rank_ptr,
                    thr_ptr, r_counts_ptr, r_pbits_ptr, r_tbits_ptr, r_recent_ptr, R_RW,
@@ -277,23 +297,15 @@ def _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_
     """A greedy row of unprocessed logits from its chunks' partials (read from L2: other
     programs wrote them): the raw maximum's lowest index, its raw-family logprob, rank 1."""
     NEG = float("-inf")
-    jc = tl.arange(0, NCP2)
-    live = jc < NCHUNK
-    pf = part_ptr + (row * NCHUNK + jc) * PART_WIDTH
-    best_v, best_i = _best(tl.load(pf + P_BEST, mask=live, other=NEG, cache_modifier=".cg"),
-                           tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0,
-                                   cache_modifier=".cg"))
+    best_v, best_i, _m_r, lse_r, lse_t, _t = _chunk_partials(part_ptr, part_i_ptr, row,
+                                                             NCHUNK, NCP2)
     tok = tl.where(best_v > NEG, best_i, 0)
     if ANY_LP:
         v_tok = float("nan")
         rank = 0
         if lp_on:
-            lse_r = _lse(tl.load(pf + P_MR, mask=live, other=NEG, cache_modifier=".cg"),
-                         tl.load(pf + P_LR, mask=live, other=0.0, cache_modifier=".cg"))
-            lse_t = _lse(tl.load(pf + P_MT, mask=live, other=NEG, cache_modifier=".cg"),
-                         tl.load(pf + P_LT, mask=live, other=0.0, cache_modifier=".cg"))
-            raw_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tok).to(tl.float32)
-            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            _raw_tok, v_tok = _token_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
+                                          mode, T, lse_r, lse_t)
             rank = 1
         tl.store(lp_ptr + row, v_tok)
         tl.store(rank_ptr + row, rank.to(tl.int64))
@@ -442,17 +454,8 @@ def _cand_finish_kernel(
     top_p = tl.load(fparams_ptr + slot * stride_f + 1)
     log_min_p = tl.load(fparams_ptr + slot * stride_f + 2)
     # ---------------------------------------------------------------- the chunks combined
-    jc = tl.arange(0, NCP2)
-    live = jc < NCHUNK
-    pf = part_ptr + (row * NCHUNK + jc) * PART_WIDTH
-    best_v, best_i = _best(tl.load(pf + P_BEST, mask=live, other=NEG),
-                           tl.load(part_i_ptr + row * NCHUNK + jc, mask=live, other=0))
-    acc_mr = tl.load(pf + P_MR, mask=live, other=NEG)
-    m_r = tl.max(acc_mr, 0)
-    lse_r = _lse(acc_mr, tl.load(pf + P_LR, mask=live, other=0.0))
-    lse_t = _lse(tl.load(pf + P_MT, mask=live, other=NEG), tl.load(pf + P_LT, mask=live,
-                                                                    other=0.0))
-    t = tl.max(tl.load(pf + P_BOUND, mask=live, other=NEG), 0)  # every unlisted value <= t
+    best_v, best_i, m_r, lse_r, lse_t, t = _chunk_partials(part_ptr, part_i_ptr, row, NCHUNK,
+                                                           NCP2)  # every unlisted value <= t
     list_on = ANY_LIST & (K > 0)
     l_z = tl.math.div_rn(t, T)  # so no unlisted token has a value / T above l_z
     l_mv = _mode_value(t, mode, T, lse_r, lse_t)  # nor a logprob above l_mv
@@ -535,8 +538,8 @@ def _cand_finish_kernel(
         v_tok = float("nan")
         rank = 0
         if lp_on:
-            raw_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tok).to(tl.float32)
-            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            raw_tok, v_tok = _token_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
+                                          mode, T, lse_r, lse_t)
             rank = 1
             if raw_tok < m_r:
                 if not (list_on & (v_tok >= l_mv)):  # a larger value may be unlisted

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from sampler.kernels.fused import (_append, _best, _gumbel_max_of, _kth_largest, _load_tile,
                                    _lse, _mode_value, _read_cands, _scan, _tile_of,
-                                   _top_p_within)
+                                   _token_value, _top_p_within)
 from sampler.kernels.process import _row_processing
 from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.select import _key_id, _key_value, _order_key
@@ -243,8 +243,8 @@ def _chunk_finish_kernel(
         v_tok = float("nan")
         rank = 0
         if lp_on:
-            raw_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tok).to(tl.float32)
-            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            raw_tok, v_tok = _token_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
+                                          mode, T, lse_r, lse_t)
             rank = 1
             if raw_tok < m_r:
                 if rk_on & (raw_tok >= t_r):  # the raw list holds every larger value

@@ -137,6 +137,13 @@ def _mode_value(raw, mode, T, lse_r, lse_t):
 
 
 @triton.jit
+def _token_value(base, tok, mode, T, lse_r, lse_t):
+    """(raw logit, raw-family logprobs value) of token ``tok`` of the row at ``base``."""
+    raw_tok = tl.load(base + tok).to(tl.float32)
+    return raw_tok, _mode_value(raw_tok, mode, T, lse_r, lse_t)
+
+
+@triton.jit
 def _exp(x):
     """``exp(x)`` as ``2 ** (x * log2(e))`` with results below 2^-126 flushed to zero: the
     value of ``tl.exp`` (the same scaling and hardware ``ex2``) without its subnormal
@@ -932,8 +939,7 @@ def _fused_sampler_kernel(
         v_tok = float("nan")
         rank = 0
         if lp_on:
-            raw_tok = tl.load(base + tok).to(tl.float32)
-            v_tok = _mode_value(raw_tok, mode, T, lse_r, lse_t)
+            raw_tok, v_tok = _token_value(base, tok, mode, T, lse_r, lse_t)
             rank = 1
             if raw_tok < m_r:
                 if rk_on & ((m_r - raw_tok) < r_hi) & (raw_tok >= r_t0):

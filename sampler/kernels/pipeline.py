@@ -259,11 +259,20 @@ def run_pipeline_triton(
     topk_ids = torch.empty(rows, kout, dtype=torch.int64, device=dev)
     topk_vals = torch.empty(rows, kout, dtype=torch.float32, device=dev)
     cfg = launch_config(vocab)
-    cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
     thr = thresholds if thresholds is not None else torch.empty(rows, dtype=torch.float32,
                                                                  device=dev)
     if rows == 0:
         return SamplerOutput(token_ids=tok)
+    chunked = cfg.chunked
+    # the step's kernels record the sampled ids in the state themselves (not the chunked
+    # pipeline: its rank kernel runs after the fused kernel's)
+    record = (dict(record_kwargs(state, dev), RECORD=True)
+              if record_rows is not None and not chunked else None)
+    if greedy_one(cfg, plan):
+        _run_greedy_one(cfg, plan, rows, vocab, dev, state, logits, idx_mapping, tok, lp, rank,
+                        thr, record)
+        return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
+                       record_rows, record is not None)
     on_cand = use_candidates(cfg, plan)
     bans = None  # on the candidate path the finish kernel writes the bad-word bans
     if on_cand and plan.do_bad_words:
@@ -280,19 +289,9 @@ def run_pipeline_triton(
     nchunk = 1
     part = placeholder(dev, torch.float32)  # read only with SPLIT / HAS_DONE, set below
     part_i = done = placeholder(dev, torch.int32)
-    chunked = cfg.chunked
     split = False  # pass 1 ran as _stats_kernel: the fused kernel combines its chunks
     block, warps = cfg.block, cfg.num_warps  # the fused kernel's launch
     has_done = chunked
-    # the step's kernels record the sampled ids in the state themselves (not the chunked
-    # pipeline: its rank kernel runs after the fused kernel's)
-    record = (dict(record_kwargs(state, dev), RECORD=True)
-              if record_rows is not None and not chunked else None)
-    if greedy_one(cfg, plan):
-        _run_greedy_one(cfg, plan, rows, vocab, dev, state, logits, idx_mapping, tok, lp, rank,
-                        thr, record)
-        return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
-                       record_rows, record is not None)
     if on_cand:
         done, left = _run_candidates(
             cfg, plan, k, kout, rows, vocab, dev, state, logits, idx_mapping, bans, tok, lp,
@@ -324,6 +323,7 @@ def run_pipeline_triton(
                                       **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
                                       STAGES=cfg.stages, PREFETCH=cfg.prefetch,
                                       num_warps=warps, enable_fp_fusion=False)
+    cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
     # candidate-list counters: only the selection and top-k logprob passes use them
     counters = (torch.zeros(rows, 2, dtype=torch.int32, device=dev)
                 if plan.do_top_k or plan.do_top_p or k > 0 else placeholder(dev, torch.int32))
@@ -361,11 +361,21 @@ def _finish(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals, state, i
     return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
 
 
+def cand_geometry(cfg: LaunchConfig, vocab: int) -> tuple[int, int, int, int]:
+    """(chunk, chunks a row, tiles a cell, touch words a chunk as a power of two) of the
+    candidate statistics kernel: chunks are whole tiles; a cell is a lane's tokens in a
+    power-of-two number of tiles, at most ``cand_vec`` cells a lane and chunk."""
+    chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
+    cg = triton.next_power_of_2(triton.cdiv(chunk // cfg.cand_block, cfg.cand_vec))
+    return chunk, triton.cdiv(vocab, chunk), cg, triton.next_power_of_2(chunk // 32)
+
+
 def greedy_one(cfg: LaunchConfig, plan: StepPlan) -> bool:
-    """Whether a step is one launch (:func:`_run_greedy_one`): every row greedy, nothing
-    changes the logits, no top-k logprobs."""
-    return (cfg.greedy_one and not cfg.chunked and cfg.split <= 0 and not plan.any_random
-            and not plan.mutates and plan.max_num_logprobs == 0)
+    """Whether a step is one launch (:func:`_run_greedy_one`, a kernel of the candidate path,
+    so not with that path off): every row greedy, nothing changes the logits, no top-k
+    logprobs."""
+    return (cfg.greedy_one and cfg.cand and not cfg.chunked and cfg.split <= 0
+            and not plan.any_random and not plan.mutates and plan.max_num_logprobs == 0)
 
 
 def _run_greedy_one(cfg: LaunchConfig, plan: StepPlan, rows: int, vocab: int, dev, state,
@@ -373,8 +383,7 @@ def _run_greedy_one(cfg: LaunchConfig, plan: StepPlan, rows: int, vocab: int, de
     """The candidate statistics kernel alone, each row finished by its last chunk program
     (``FINISH``; with ``record``, the record keyword arguments, it also advances the
     slots)."""
-    chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
-    nchunk = triton.cdiv(vocab, chunk)
+    chunk, nchunk, _cg, _cw = cand_geometry(cfg, vocab)
     i32, f32 = placeholder(dev, torch.int32), placeholder(dev, torch.float32)
     part = torch.empty(rows, nchunk, PART_WIDTH.value, dtype=torch.float32, device=dev)
     part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
@@ -409,8 +418,7 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
     records the rows it settles), or None. ``bans``:
     ``[rows, words]`` int64 that the finish kernel fills with the bad-word bans (None
     without bad words)."""
-    chunk = max(cfg.cand_block, cfg.cand_chunk // cfg.cand_block * cfg.cand_block)
-    nchunk = triton.cdiv(vocab, chunk)
+    chunk, nchunk, cg, cw = cand_geometry(cfg, vocab)
     any_list = plan.any_random or k > 0
     has_touch = (plan.do_penalties or plan.do_logit_bias or plan.do_min_tokens
                  or plan.do_bad_words)
@@ -430,10 +438,7 @@ def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: 
     tbits = state.touch_bits if has_touch else i32
     params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
               state.iparams.stride(0))
-    # cells of `cg` tiles (a power of two, at most `cand_vec` cells a lane and chunk); the
-    # scratch holds a chunk's selected cells, then its nonzero touch words
-    cg = triton.next_power_of_2(triton.cdiv(chunk // cfg.cand_block, cfg.cand_vec))
-    cw = triton.next_power_of_2(chunk // 32)
+    # the scratch holds a chunk's selected cells, then its nonzero touch words
     scratch = (torch.empty(rows, nchunk, cfg.cand_cellcap + cw, dtype=torch.int32, device=dev)
                if any_list or has_touch else i32)
     _cand_stats_kernel[(rows, nchunk)](

@@ -368,10 +368,11 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split, cand):
                                                       (True, True)])
 def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs, cand):
     """Greedy rows whose maximum repeats within a lane, across tiles, across vocab chunks,
-    or everywhere take the lowest id, as torch: all-greedy steps (the greedy split; without
-    logprobs the best tile is kept in registers, with them it is read again) and greedy rows
-    beside a random one (the candidate path, or with it off the fused kernel's pass 1, the
-    best tile read again)."""
+    or everywhere take the lowest id, as torch: all-greedy steps (one launch of the candidate
+    statistics kernel, or with the path off the greedy split: without logprobs the best tile
+    is kept in registers, with them it is read again) and greedy rows beside a random one
+    (the candidate path, or with it off the fused kernel's pass 1, the best tile read
+    again)."""
     from sampler.kernels.pipeline import (LaunchConfig, launch_config, run_pipeline_triton,
                                           set_launch_config)
 
