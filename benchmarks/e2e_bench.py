@@ -121,7 +121,54 @@ def floors(spec: dict, n: int, prompt: int, out: int, ceil: dict) -> dict:
     weight_bytes = 2 * (layers * layer_params + h * vocab)  # LM head read each step
     kv_bytes = 2 * 2 * layers * kv * d * (n * (out - 1) * prompt + n * (out - 1) * out / 2)
     return {"compute_s": flops / (ceil["matmul_tflops"] * 1e12),
-            "decode_memory_s": ((out - 1) * weight_bytes + kv_bytes) / (ceil["copy_gbps"] * 1e9)}
+            "decode_memory_s": ((out - 1) * weight_bytes + kv_bytes) / (ceil["copy_gbps"] * 1e9),
+            "kv_read_s": kv_bytes / (ceil["copy_gbps"] * 1e9)}
+
+
+def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) -> dict:
+    """Seconds the workload's matmuls alone take at cuBLAS's speed for their own shapes.
+
+    Each projection of a layer (q, k, v, o, gate, up, down; separate, as the transformers
+    modules run them) and the LM head is timed with ``F.linear`` at the row counts the engine
+    runs it with: prefill chunks of ``step_tokens`` prompt tokens, ``out - 1`` decode steps of
+    ``n`` rows, the LM head on ``n`` rows ``out`` times. With ``kv_read_s`` (the decode steps'
+    KV-cache reads at the copy bandwidth) it bounds a run whose kernels go one after another
+    on one stream from below: GEMMs and attention do not overlap there."""
+    h, layers, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"]
+    kv, inter = spec["num_key_value_heads"], spec["intermediate_size"]
+    d = h // spec["num_attention_heads"]
+    proj = [(h, h), (h, kv * d), (h, kv * d), (h, h), (h, inter), (h, inter), (inter, h)]
+
+    def linear_s(rows: int, k: int, m: int) -> float:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        fn = lambda: torch.nn.functional.linear(x, w)
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(15):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times))
+
+    tokens = n * prompt
+    chunks = [step_tokens] * (tokens // step_tokens) + [tokens % step_tokens] * bool(
+        tokens % step_tokens)
+    rows_s: dict[int, float] = {}
+    for rows in sorted(set(chunks + [n])):
+        rows_s[rows] = layers * sum(linear_s(rows, k, m) for k, m in proj)
+    prefill_s = sum(rows_s[c] for c in chunks)
+    decode_s = (out - 1) * rows_s[n]
+    head_s = out * linear_s(n, h, vocab)
+    params = layers * sum(k * m for k, m in proj)
+    flop = 2 * params * (tokens + n * (out - 1)) + 2 * n * out * h * vocab
+    total = prefill_s + decode_s + head_s
+    return {"matmul_s": total, "matmul_prefill_s": prefill_s, "matmul_decode_s": decode_s,
+            "matmul_head_s": head_s, "matmul_tflops_achieved": flop / total / 1e12}
 
 
 def run_hf(model, prompts: np.ndarray, out: int, batch: int) -> float:
@@ -218,6 +265,12 @@ def bench(name: str, args, ceil: dict) -> dict:
     prompts = rng.integers(100, spec["vocab_size"] - 1, size=(n, prompt), dtype=np.int64)
     result = {"workload": name, "num_prompts": n, "prompt_len": prompt, "output_len": out,
               **floors(spec, n, prompt, out, ceil)}
+    if DEVICE == "cuda":
+        result.update(matmul_floor(spec, n, prompt, out, args.max_batched_tokens))
+        result["serial_floor_s"] = result["matmul_s"] + result["kv_read_s"]
+        log(f"{name}: matmuls {result['matmul_s']:.3f} s ({result['matmul_tflops_achieved']:.0f}"
+            f" TFLOP/s), KV reads {result['kv_read_s']:.3f} s")
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         log(f"{name}: building the model")
         model = build_model(spec, Path(tmp))
