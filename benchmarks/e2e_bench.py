@@ -128,47 +128,71 @@ def floors(spec: dict, n: int, prompt: int, out: int, ceil: dict) -> dict:
 def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) -> dict:
     """Seconds the workload's matmuls alone take at cuBLAS's speed for their own shapes.
 
-    Each projection of a layer (q, k, v, o, gate, up, down; separate, as the transformers
-    modules run them) and the LM head is timed with ``F.linear`` at the row counts the engine
-    runs it with: prefill chunks of ``step_tokens`` prompt tokens, ``out - 1`` decode steps of
-    ``n`` rows, the LM head on ``n`` rows ``out`` times. With ``kv_read_s`` (the decode steps'
-    KV-cache reads at the copy bandwidth) it bounds a run whose kernels go one after another
-    on one stream from below: GEMMs and attention do not overlap there."""
+    A layer's projections are timed with ``F.linear`` back to back, as a forward runs them,
+    over several copies of the layer's weights (more than the L2 holds), at the row counts the
+    engine runs them with: prefill chunks of ``step_tokens`` prompt tokens, ``out - 1`` decode
+    steps of ``n`` rows; the LM head on ``n`` rows ``out`` times. Two layouts: ``separate``
+    (q, k, v, o, gate, up, down, as the transformers modules run them) and ``fused`` (qkv and
+    gate-up as one matmul each); ``matmul_s`` is the faster. With ``kv_read_s`` (the decode
+    steps' KV-cache reads at the copy bandwidth) it bounds from below a run whose kernels go
+    one after another on one stream; ``matmul_s`` alone bounds any run."""
     h, layers, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"]
     kv, inter = spec["num_key_value_heads"], spec["intermediate_size"]
     d = h // spec["num_attention_heads"]
-    proj = [(h, h), (h, kv * d), (h, kv * d), (h, h), (h, inter), (h, inter), (inter, h)]
+    layouts = {
+        "separate": [(h, h), (h, kv * d), (h, kv * d), (h, h), (h, inter), (h, inter), (inter, h)],
+        "fused": [(h, h + 2 * kv * d), (h, h), (h, 2 * inter), (inter, h)]}
 
-    def linear_s(rows: int, k: int, m: int) -> float:
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        fn = lambda: torch.nn.functional.linear(x, w)
-        for _ in range(3):
-            fn()
+    def timed_s(fn, per_call: int) -> float:
+        fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
-        for _ in range(15):
+        for _ in range(5):
             start.record()
             fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 / per_call)
         return float(np.median(times))
+
+    def layer_s(rows: int, proj: list[tuple[int, int]]) -> float:
+        layer_bytes = 2 * sum(k * m for k, m in proj)
+        copies = max(2, -(-256 * 2 ** 20 // layer_bytes))
+        ws = [[torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k, m in proj]
+              for _ in range(copies)]
+        xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k, _ in proj}
+        rounds = max(1, 32 // copies)
+
+        def run():
+            for _ in range(rounds):
+                for layer in ws:
+                    for (k, _), w in zip(proj, layer):
+                        torch.nn.functional.linear(xs[k], w)
+        return timed_s(run, rounds * copies)
+
+    def head_s(rows: int) -> float:
+        w = torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        return timed_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(8)], 8)
 
     tokens = n * prompt
     chunks = [step_tokens] * (tokens // step_tokens) + [tokens % step_tokens] * bool(
         tokens % step_tokens)
-    rows_s: dict[int, float] = {}
-    for rows in sorted(set(chunks + [n])):
-        rows_s[rows] = layers * sum(linear_s(rows, k, m) for k, m in proj)
-    prefill_s = sum(rows_s[c] for c in chunks)
-    decode_s = (out - 1) * rows_s[n]
-    head_s = out * linear_s(n, h, vocab)
-    params = layers * sum(k * m for k, m in proj)
+    params = layers * sum(k * m for k, m in layouts["separate"])
     flop = 2 * params * (tokens + n * (out - 1)) + 2 * n * out * h * vocab
-    total = prefill_s + decode_s + head_s
-    return {"matmul_s": total, "matmul_prefill_s": prefill_s, "matmul_decode_s": decode_s,
-            "matmul_head_s": head_s, "matmul_tflops_achieved": flop / total / 1e12}
+    head = out * head_s(n)
+    result: dict = {"matmul_head_s": head}
+    for name, proj in layouts.items():
+        per_rows = {rows: layers * layer_s(rows, proj) for rows in sorted(set(chunks + [n]))}
+        prefill, decode = sum(per_rows[c] for c in chunks), (out - 1) * per_rows[n]
+        total = prefill + decode + head
+        result[name] = {"matmul_s": total, "prefill_s": prefill, "decode_s": decode,
+                        "decode_step_ms": per_rows[n] * 1e3, "tflops": flop / total / 1e12}
+        torch.cuda.empty_cache()
+    best = min(layouts, key=lambda name: result[name]["matmul_s"])
+    result.update(matmul_s=result[best]["matmul_s"], matmul_layout=best,
+                  matmul_tflops_achieved=result[best]["tflops"])
+    return {"matmuls": result, "matmul_s": result["matmul_s"]}
 
 
 def run_hf(model, prompts: np.ndarray, out: int, batch: int) -> float:
@@ -268,9 +292,10 @@ def bench(name: str, args, ceil: dict) -> dict:
     if DEVICE == "cuda":
         result.update(matmul_floor(spec, n, prompt, out, args.max_batched_tokens))
         result["serial_floor_s"] = result["matmul_s"] + result["kv_read_s"]
-        log(f"{name}: matmuls {result['matmul_s']:.3f} s ({result['matmul_tflops_achieved']:.0f}"
-            f" TFLOP/s), KV reads {result['kv_read_s']:.3f} s")
+        log(f"{name}: matmuls {json.dumps(result['matmuls'])}, KV reads {result['kv_read_s']:.3f} s")
         torch.cuda.empty_cache()
+    if args.floors_only:
+        return result
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         log(f"{name}: building the model")
         model = build_model(spec, Path(tmp))
@@ -330,6 +355,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", default=".", help="directory for e2e_bench.json (and the plot)")
     p.add_argument("--hf-batches", default="", help="HF batch sizes (default: all prompts)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--floors-only", action="store_true",
+                   help="measure the ceilings and each workload's floors only (no models)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="the model's own RMSNorm / rotary / SiLU code (no actors.kernels)")
@@ -360,6 +387,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\n{'workload':16} {'HF out tok/s':>12} {'ours out tok/s':>14} {'ratio':>6} "
           f"{'ms/step':>8} {'idle':>6} {'sampler ms':>10}")
     for r in results:
+        if "engine" not in r:
+            continue
         e = r["engine"]
         print(f"{r['workload']:16} {r.get('hf', {}).get('output_tok_s', 0):12.0f} "
               f"{e['output_tok_s']:14.0f} {r.get('speedup', 0):6.2f} "
