@@ -331,6 +331,10 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if "engine" in r]
+    if not results:
+        return
+
     names = [r["workload"] for r in results]
     ours = [r["engine"]["output_tok_s"] for r in results]
     hf = [r.get("hf", {}).get("output_tok_s", 0.0) for r in results]
