@@ -65,7 +65,8 @@ class StepTimer:
         """Decode-step figures over the pure-decode steps with at least ``min_batch`` rows:
         ``decode_steps``, ``ms_per_decode_step`` (start-to-start period), ``gpu_ms_per_step``
         (start to end), ``sampler_ms_per_step``, ``idle_fraction`` (gaps over the period),
-        ``host_launch_ms`` (host time inside ``launch``), ``largest_gaps`` (see
+        ``host_launch_ms`` (host time inside ``launch``), ``host_phase_ms`` (where the host's
+        time a step goes: :func:`host_phases`), ``largest_gaps`` (see
         :func:`largest_gaps`), and over the whole timed run ``host_busy_fraction`` (host time
         not spent waiting for sampled tokens)."""
         torch.cuda.synchronize()
@@ -94,10 +95,31 @@ class StepTimer:
             "sampler_ms_per_step": float(np.median(sample)) if sample else 0.0,
             "idle_fraction": float(np.sum(gap)) / total if total > 0 else 0.0,
             "host_launch_ms": float(np.median(host)),
+            "host_phase_ms": host_phases(steps, pick),
             "largest_gaps": gaps,
             "host_busy_fraction": 1.0 - self.wait_s / max(
                 1e-9, self.steps[-1].host_end - self._clock_start),
         }
+
+
+def host_phases(steps: list[_Step], pick: list[int]) -> dict[str, float]:
+    """Median host milliseconds a step over ``pick`` (indices of steps that have a successor):
+    ``prepare`` (launch start to the first device operation), ``forward`` (to the sampler:
+    the model's launch and the LM head), ``sampler`` (to the launch's end: the sampler's
+    launch and the copies it starts), ``outside_launch`` (from the end of the launch to the
+    next one's start, less the wait for sampled tokens: the previous step's outputs and the
+    next schedule)."""
+    phases: dict[str, list[float]] = {"prepare": [], "forward": [], "sampler": [],
+                                      "outside_launch": []}
+    for i in pick:
+        s, nxt = steps[i], steps[i + 1]
+        marks = s.host_marks
+        if "sample" in marks:
+            phases["prepare"].append(marks["gpu_start"] - s.host_start)
+            phases["forward"].append(marks["sample"] - marks["gpu_start"])
+            phases["sampler"].append(s.host_end - marks["sample"])
+        phases["outside_launch"].append(nxt.host_start - s.host_end - s.wait_s)
+    return {k: float(np.median(v)) * 1e3 for k, v in phases.items() if v}
 
 
 def largest_gaps(steps: list[_Step], gaps: list[tuple[int, float]],

@@ -242,8 +242,13 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         "fused_layers": False if args.no_fused_layers else None,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     load_s = time.perf_counter() - t0
-    params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
-                             top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
+    if args.mix == "job":  # job_bench's per-row mix (greedy, top-p, top-k, min-p, logprobs)
+        from benchmarks.job_bench import row_params
+        params = [SamplingParams(max_tokens=out, ignore_eos=True, detokenize=False,
+                                 **row_params(i)) for i in range(n)]
+    else:
+        params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
+                                 top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
     warm = params[0].replace(max_tokens=8)  # warm-up: prefill, graph replays, sampler
     engine.generate([(f"w{i}", prompts[i, :16].tolist(), warm) for i in range(4)])
     timer = StepTimer() if DEVICE == "cuda" else None
@@ -287,7 +292,8 @@ def bench(name: str, args, ceil: dict) -> dict:
     n = args.num_prompts or n
     rng = np.random.default_rng(0)
     prompts = rng.integers(100, spec["vocab_size"] - 1, size=(n, prompt), dtype=np.int64)
-    result = {"workload": name, "num_prompts": n, "prompt_len": prompt, "output_len": out,
+    result = {"workload": name, "mix": args.mix, "num_prompts": n, "prompt_len": prompt,
+              "output_len": out,
               **floors(spec, n, prompt, out, ceil)}
     if DEVICE == "cuda":
         result.update(matmul_floor(spec, n, prompt, out, args.max_batched_tokens))
@@ -367,6 +373,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--sampler-chunked", action="store_true",
                    help="the Triton sampler's chunked pipeline (sampler.kernels.chunked)")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
+    p.add_argument("--mix", choices=("top_p", "job"), default="top_p",
+                   help="the engine's sampling params: T + top-p (default), or job_bench's "
+                   "per-row mix (HF still samples with T + top-p)")
     p.add_argument("--max-batched-tokens", type=int, default=32768)
     p.add_argument("--extra-top-p", default="", help="top-p values for extra engine runs "
                    "(output tok/s only), e.g. 1.0 for temperature-only sampling")

@@ -41,3 +41,17 @@ def test_floors_scale_with_the_workload(e2e_bench):
     assert big["compute_s"] == pytest.approx(2 * small["compute_s"])
     # decode memory: weights once per step (shared), KV per sequence
     assert small["decode_memory_s"] < big["decode_memory_s"] < 2 * small["decode_memory_s"]
+
+
+def test_the_job_mix_runs_the_engine_with_job_bench_params(e2e_bench, tmp_path, monkeypatch):
+    import benchmarks.job_bench as job_bench
+
+    asked = []
+    row_params = job_bench.row_params
+    monkeypatch.setattr(job_bench, "row_params", lambda i: asked.append(i) or row_params(i))
+    (r,) = e2e_bench.main(["--workloads", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
+                           "--skip-hf", "--mix", "job", "--max-batched-tokens", "64"])
+    assert r["mix"] == "job" and "hf" not in r
+    assert asked == list(range(r["num_prompts"]))  # one job row's params per prompt
+    assert r["engine"]["output_tok_s"] == pytest.approx(
+        r["num_prompts"] * r["output_len"] / r["engine"]["elapsed_s"])
