@@ -249,8 +249,10 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     else:
         params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=TEMPERATURE,
                                  top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
-    warm = params[0].replace(max_tokens=8)  # warm-up: prefill, graph replays, sampler
-    engine.generate([(f"w{i}", prompts[i, :16].tolist(), warm) for i in range(4)])
+    # warm-up: prefill, graph replays, the sampler's kernels (for a per-row mix, a whole
+    # batch of it: each combination of params the steps will see compiles its kernels)
+    warm = [p.replace(max_tokens=8) for p in (params if args.mix == "job" else params[:4])]
+    engine.generate([(f"w{i}", prompts[i, :16].tolist(), w) for i, w in enumerate(warm)])
     timer = StepTimer() if DEVICE == "cuda" else None
     engine.executor.timer = timer
     with frozen_heap():
