@@ -44,6 +44,9 @@ class GenerationActor:
         warm = 0.0
         if self.engine.loaded.device.type == "cuda":  # kernels compiled before real work
             warm = self.engine.warm_up()
+        from actors.shard import warm_up_io
+
+        io_warm = warm_up_io()  # the first shard's part file then costs what the others do
         # what is alive now (modules, model, engine) lives as long as the actor: keep it out
         # of the collector's full passes, which otherwise walk it while the engine loop waits
         gc.collect()
@@ -51,6 +54,7 @@ class GenerationActor:
         age = _process_age_s()
         self.startup = {"process_age": age, "engine_import": imported - started,
                         "engine_build": built - imported, "warm_up": warm,
+                        "io_warm_up": io_warm,
                         **{f"build_{k}": v for k, v in self.engine.startup.items()}}
         if bytecode is not None:
             logger.info("GenerationActor: compiled bytecode cached under %s", bytecode)
@@ -59,7 +63,8 @@ class GenerationActor:
     def startup_report(self) -> dict[str, float | None]:
         """Seconds the actor took to start: ``process_age`` (process start to ready, imports and
         Ray included), ``engine_import``, ``engine_build`` (model load, KV pool, graph capture),
-        ``warm_up`` (CUDA only), and the engine build's phases as ``build_<phase>``
+        ``warm_up`` (CUDA only), ``io_warm_up`` (``actors.shard.warm_up_io``), and the
+        engine build's phases as ``build_<phase>``
         (``Engine.startup``)."""
         return dict(self.startup)
 

@@ -21,7 +21,7 @@ from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_i
 from actors.schema import OUTPUT_COLUMNS, build_table
 
 __all__ = ["ErrorOutput", "PartWriteError", "ShardResult", "ShardTask", "prepare_requests",
-           "process_shard", "read_rows", "write_failed_shard", "write_part"]
+           "process_shard", "read_rows", "warm_up_io", "write_failed_shard", "write_part"]
 
 RunRequests = Callable[[Sequence[Request]], Sequence[Any]]
 
@@ -162,6 +162,26 @@ def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
         seconds=time.perf_counter() - started,
         error_messages=errors[:3],
     )
+
+
+def warm_up_io() -> float:
+    """Pays the shard I/O path's one-time costs now (an actor calls it before it reports
+    ready), so that its first shard does not: pyarrow's first conversion of Python values
+    (which imports pandas where that is installed) and the Parquet writer's and reader's first
+    use, ~0.2 s together, otherwise spent inside the job on a thread that shares the GIL with
+    the engine loop. Returns the seconds it took."""
+    started = time.perf_counter()
+    table = pa.table({
+        "id": pa.array(["warm-up"]),
+        "output_token_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
+        "top_logprobs": pa.array([[[{"token_id": 1, "logprob": -0.5}]]]),
+    })
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    back = pq.read_table(pa.BufferReader(sink.getvalue()))
+    if back.num_rows != 1:
+        raise RuntimeError("the Parquet warm-up read back a wrong table")
+    return time.perf_counter() - started
 
 
 def write_failed_shard(task: ShardTask, message: str) -> ShardResult:

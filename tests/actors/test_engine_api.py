@@ -191,7 +191,13 @@ def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
         engine.generate([("x", [5], None), ("x", [6], None)])
 
 
-def test_generation_actor(tiny_llama):
+def test_generation_actor(tiny_llama, monkeypatch):
+    import actors.shard
+
+    warmed = []
+    real_warm_up_io = actors.shard.warm_up_io
+    monkeypatch.setattr(actors.shard, "warm_up_io",
+                        lambda: warmed.append(1) or real_warm_up_io() + 1000.0)
     gc.unfreeze()
     try:
         actor = GenerationActor(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64,
@@ -202,13 +208,15 @@ def test_generation_actor(tiny_llama):
     info = actor.info()
     assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
     startup = actor.startup_report()
-    assert {"process_age", "engine_import", "engine_build", "warm_up",
+    assert {"process_age", "engine_import", "engine_build", "warm_up", "io_warm_up",
             "build_transformers_import", "build_model_config",
             "build_model_weights", "build_tokenizer", "build_kv_cache", "build_attention",
             "build_rest"} == set(startup)  # CPU: no device context, fused layers or graphs
     assert sum(v for k, v in startup.items() if k.startswith("build_")) <= \
         startup["engine_build"]
     assert startup["engine_build"] > 0 and startup["warm_up"] == 0.0  # no warm-up on CPU
+    # the shard I/O path is warmed once, before the actor is ready, and its time reported
+    assert warmed == [1] and startup["io_warm_up"] >= 1000.0
     assert startup["process_age"] > startup["engine_build"]
     params = [SamplingParams(max_tokens=3, n=2, seed=1), {"max_tokens": 2, "seed": 5},
               None]

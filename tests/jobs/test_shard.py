@@ -10,7 +10,8 @@ import pytest
 
 from actors.schema import output_schema
 from actors.serving import EngineServer
-from actors.shard import ShardResult, process_shard, read_rows, write_failed_shard
+from actors.shard import (ShardResult, process_shard, read_rows, warm_up_io,
+                          write_failed_shard)
 from jobs.config import JobConfig
 from jobs.inputs import discover
 from jobs.plan import make_task, plan_shards
@@ -174,3 +175,10 @@ def test_shard_timing_line():
         result.timing()
     result.engine = {}  # an engine without counters: the phases alone
     assert result.timing() == "prepare 0.08 s, generate 3.67 s, write 0.44 s"
+
+
+def test_warm_up_io_round_trips_a_part_like_table_in_memory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seconds = warm_up_io()
+    assert isinstance(seconds, float) and seconds >= 0.0
+    assert list(tmp_path.iterdir()) == []  # nothing written to disk
