@@ -125,7 +125,8 @@ def floors(spec: dict, n: int, prompt: int, out: int, ceil: dict) -> dict:
             "kv_read_s": kv_bytes / (ceil["copy_gbps"] * 1e9)}
 
 
-def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) -> dict:
+def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int,
+                 device: str = "cuda") -> dict:
     """Seconds the workload's matmuls alone take at cuBLAS's speed for their own shapes.
 
     A layer's projections are timed with ``F.linear`` back to back, as a forward runs them,
@@ -135,7 +136,9 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) ->
     (q, k, v, o, gate, up, down, as the transformers modules run them) and ``fused`` (qkv and
     gate-up as one matmul each); ``matmul_s`` is the faster. With ``kv_read_s`` (the decode
     steps' KV-cache reads at the copy bandwidth) it bounds from below a run whose kernels go
-    one after another on one stream; ``matmul_s`` alone bounds any run."""
+    one after another on one stream; ``matmul_s`` alone bounds any run. Off CUDA (tests) the
+    matmuls run in float32 and are timed with the host clock."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     h, layers, vocab = spec["hidden_size"], spec["num_hidden_layers"], spec["vocab_size"]
     kv, inter = spec["num_key_value_heads"], spec["intermediate_size"]
     d = h // spec["num_attention_heads"]
@@ -145,22 +148,29 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) ->
 
     def timed_s(fn, per_call: int) -> float:
         fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(5):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / per_call)
+            if device == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fn()
+                seconds = time.perf_counter() - t0
+            times.append(seconds / per_call)
         return float(np.median(times))
 
     def layer_s(rows: int, proj: list[tuple[int, int]]) -> float:
         layer_bytes = 2 * sum(k * m for k, m in proj)
         copies = max(2, -(-256 * 2 ** 20 // layer_bytes))
-        ws = [[torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k, m in proj]
+        ws = [[torch.randn(m, k, device=device, dtype=dtype) for k, m in proj]
               for _ in range(copies)]
-        xs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k, _ in proj}
+        xs = {k: torch.randn(rows, k, device=device, dtype=dtype) for k, _ in proj}
         rounds = max(1, 32 // copies)
 
         def run():
@@ -171,8 +181,8 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) ->
         return timed_s(run, rounds * copies)
 
     def head_s(rows: int) -> float:
-        w = torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(vocab, h, device=device, dtype=dtype)
+        x = torch.randn(rows, h, device=device, dtype=dtype)
         return timed_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(8)], 8)
 
     tokens = n * prompt
@@ -188,7 +198,8 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int) ->
         total = prefill + decode + head
         result[name] = {"matmul_s": total, "prefill_s": prefill, "decode_s": decode,
                         "decode_step_ms": per_rows[n] * 1e3, "tflops": flop / total / 1e12}
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     best = min(layouts, key=lambda name: result[name]["matmul_s"])
     result.update(matmul_s=result[best]["matmul_s"], matmul_layout=best,
                   matmul_tflops_achieved=result[best]["tflops"])

@@ -55,3 +55,34 @@ def test_the_job_mix_runs_the_engine_with_job_bench_params(e2e_bench, tmp_path, 
     assert asked == list(range(r["num_prompts"]))  # one job row's params per prompt
     assert r["engine"]["output_tok_s"] == pytest.approx(
         r["num_prompts"] * r["output_len"] / r["engine"]["elapsed_s"])
+
+
+def test_matmul_floor_times_both_layouts_at_the_engines_row_counts(e2e_bench, monkeypatch):
+    rows_seen = []
+    linear = e2e_bench.torch.nn.functional.linear
+    monkeypatch.setattr(e2e_bench.torch.nn.functional, "linear",
+                        lambda x, w: rows_seen.append((x.shape[0], w.shape)) or linear(x, w))
+    spec = e2e_bench.TINY
+    # 8 prompts of 16 tokens in chunks of 48: prefill rows 48, 48, 32; decode rows 8
+    r = e2e_bench.matmul_floor(spec, 8, 16, 8, 48, device="cpu")
+    m = r["matmuls"]
+    assert {rows for rows, _ in rows_seen} == {48, 32, 8}
+    h, inter = spec["hidden_size"], spec["intermediate_size"]
+    kv_width = spec["num_key_value_heads"] * h // spec["num_attention_heads"]
+    # the fused layout's gate-up and qkv, the separate one's k / v, the LM head
+    assert {tuple(w) for _, w in rows_seen} >= {(2 * inter, h), (h + 2 * kv_width, h),
+                                                 (kv_width, h), (spec["vocab_size"], h)}
+    for layout in ("separate", "fused"):
+        t = m[layout]
+        assert t["matmul_s"] == pytest.approx(t["prefill_s"] + t["decode_s"] + m["matmul_head_s"])
+        assert t["decode_s"] == pytest.approx(7 * t["decode_step_ms"] / 1e3)
+    assert r["matmul_s"] == min(m["separate"]["matmul_s"], m["fused"]["matmul_s"])
+    assert m["matmul_layout"] in ("separate", "fused")
+    assert r["matmul_s"] == m[m["matmul_layout"]]["matmul_s"]
+
+
+def test_floors_only_measures_no_model(e2e_bench, tmp_path):
+    (r,) = e2e_bench.main(["--workloads", "tiny", "--out", str(tmp_path), "--floors-only"])
+    assert "engine" not in r and "hf" not in r and r["compute_s"] > 0 and r["kv_read_s"] > 0
+    saved = json.loads((tmp_path / "e2e_bench.json").read_text())
+    assert saved["results"] == json.loads(json.dumps([r]))
