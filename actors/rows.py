@@ -191,19 +191,27 @@ class _ParamsReader:
 
     def read(self, i: int, row_id: Any) -> SamplingParams:
         raw = None if self.column is None else self.cells.get(self.column, i, "sampling_params")
-        seed = None
+        seed, rest = None, raw
         if isinstance(raw, dict) and raw.get("seed") is not None:
             # a per-row seed: the rest of the row's params is validated once, the seed alone
             seed = raw["seed"]
-            raw = {k: v for k, v in raw.items() if k != "seed"}
-        key = _frozen(raw)
-        params = None if key is None else self._seen.get(key)
-        if params is None:
-            params = self._coerce(raw)
-            if key is not None:
-                self._seen[key] = params
-        if seed is not None:
-            params = params.with_seed(seed)
+            rest = {k: v for k, v in raw.items() if k != "seed"}
+        try:
+            key = _frozen(rest)
+            params = None if key is None else self._seen.get(key)
+            if params is None:
+                params = self._coerce(rest)
+                if key is not None:
+                    self._seen[key] = params
+            if seed is not None:
+                params = params.with_seed(seed)
+        except ValueError:
+            if seed is None:
+                raise
+            # a row with a bad seed and another bad field: name the field that validating
+            # the whole row names first, as for the same params given as JSON text
+            self._coerce(raw)
+            raise
         if params.seed is None:  # the job's seed rule for unseeded rows
             from sampler import derive_seed
 

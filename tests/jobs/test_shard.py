@@ -182,3 +182,26 @@ def test_warm_up_io_round_trips_a_part_like_table_in_memory(tmp_path, monkeypatc
     seconds = warm_up_io()
     assert isinstance(seconds, float) and seconds >= 0.0
     assert list(tmp_path.iterdir()) == []  # nothing written to disk
+
+
+@pytest.mark.parametrize("params", [
+    {"allowed_token_ids": [], "stop": "e", "seed": -2},   # a bad seed and a bad list
+    {"seed": 2 ** 70, "top_p": 5.0},                      # a bad seed and a bad float
+    {"top_k": -7, "seed": "x"},
+])
+def test_a_row_with_a_bad_seed_and_another_bad_field_names_one_field_in_every_form(
+        tmp_path, params):
+    """A per-row seed is validated apart from the row's other params (those are validated
+    once per distinct value); a row with a bad seed and another bad field must still name
+    the field that validating the whole row names, whatever form its params come in."""
+    errors = {}
+    for form in ("object", "text"):
+        root = tmp_path / form
+        cell = params if form == "object" else json.dumps(params)
+        write_jsonl(root / "in" / "a.jsonl", [{"id": "r", "prompt": "p", "sampling_params": cell}])
+        [task] = _tasks(root, rows_per_shard=10, sampling_params={"max_tokens": 2})
+        process_shard(task, EngineServer(FakeEngine()).run)
+        [error] = pq.read_table(root / "out" / task.part_name).column("error").to_pylist()
+        assert error and error.startswith("row id 'r' (shard 0): sampling_params."), error
+        errors[form] = error
+    assert errors["object"] == errors["text"]
