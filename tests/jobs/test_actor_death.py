@@ -25,7 +25,7 @@ import ray.cloudpickle
 
 import jobs.cluster
 from actors.actor import GenerationActor
-from jobs.manifest import MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
 from jobs.runner import run_job
 from tests.jobs.helpers import assert_identical, read_output
 
@@ -122,6 +122,10 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
         return start_and_record
 
     monkeypatch.setattr(jobs.cluster, "actor_factory", recording_factory)
+    # commits paced at one per 0.5 s (the driver's RAYGEN_TEST_FAULTS=slow-commits), so the
+    # 20 shards take ~10 s and both kills land mid-job: unpaced, the tiny model's job can end
+    # ~1 s after the first actor is up, before the first kill
+    monkeypatch.setenv(FAULTS_ENV, "slow-commits")
     token = tmp_path / "exit-token"
     token.write_text("one process exit")
     out = tmp_path / "out"
