@@ -26,7 +26,7 @@ from sampler.kernels.chunked import (DRAW_ACTIVE, REC_WIDTH, _chunk_bounds_kerne
                                      _chunk_rank_kernel)
 from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
 from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
-from sampler.kernels.record import launch_record, record_kwargs, record_sampled_triton
+from sampler.kernels.record import record_kwargs, record_sampled_triton
 from sampler.ops.bad_words import PAD_ANY
 from sampler.output import SamplerOutput
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
@@ -354,10 +354,7 @@ def _finish(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals, state, i
     """The step's output; with ``record_rows`` the sampled ids recorded in the state (by
     the record kernel unless a kernel of the step did it)."""
     if record_rows is not None:
-        if not recorded:
-            launch_record(state, idx_mapping, tok)
-        if record_rows[0] is not None:
-            state.pos_host[record_rows[0]] += 1
+        record_sampled_triton(state, idx_mapping, tok, record_rows[0], launched=recorded)
     return _output(plan, k, tok, lp, rank, topk_ids, topk_vals)
 
 

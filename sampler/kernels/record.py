@@ -81,18 +81,15 @@ def record_kwargs(state, device) -> dict:
         R_RWP2=triton.next_power_of_2(rw))
 
 
-def launch_record(state, idx_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """The device part of :meth:`~sampler.state.SamplerState.record_sampled`, one launch."""
-    if idx_mapping.shape[0]:
+def record_sampled_triton(state, idx_mapping: torch.Tensor, token_ids: torch.Tensor,
+                          rows_host, *, launched: bool = False) -> None:
+    """:meth:`~sampler.state.SamplerState.record_sampled` as one launch (same arguments);
+    ``launched``: a kernel of the step already advanced the device tables (only the host
+    positions are left)."""
+    if idx_mapping.shape[0] and not launched:
         _record_kernel[(idx_mapping.shape[0],)](
             idx_mapping, token_ids, state.positions, state.fparams, state.fparams.stride(0),
             state.vocab_size, (state.vocab_size + 31) // 32,
             **record_kwargs(state, idx_mapping.device), num_warps=1)
-
-
-def record_sampled_triton(state, idx_mapping: torch.Tensor, token_ids: torch.Tensor,
-                          rows_host) -> None:
-    """:meth:`~sampler.state.SamplerState.record_sampled` as one launch (same arguments)."""
-    launch_record(state, idx_mapping, token_ids)
     if rows_host is not None:
         state.pos_host[rows_host] += 1
