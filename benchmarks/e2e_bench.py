@@ -80,6 +80,27 @@ def build_model(spec: dict, path: Path) -> torch.nn.Module:
     return model
 
 
+def median_s(fn, reps: int, device: str = DEVICE) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one untimed call: CUDA events on
+    the GPU, the host clock elsewhere."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def measure_ceilings() -> dict:
     """bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s, read + write); nominal
     H200 figures off CUDA."""
@@ -90,20 +111,8 @@ def measure_ceilings() -> dict:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
     y = torch.empty_like(x)
 
-    def timed(fn, reps):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return float(np.median(times))
-
-    tflops = 2 * 8192 ** 3 / timed(lambda: a @ b, 10) / 1e12
-    gbps = 2 * x.numel() / timed(lambda: y.copy_(x), 10) / 1e9
+    tflops = 2 * 8192 ** 3 / median_s(lambda: a @ b, 10) / 1e12
+    gbps = 2 * x.numel() / median_s(lambda: y.copy_(x), 10) / 1e9
     del a, b, x, y
     return {"matmul_tflops": tflops, "copy_gbps": gbps}
 
@@ -146,25 +155,6 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int,
         "separate": [(h, h), (h, kv * d), (h, kv * d), (h, h), (h, inter), (h, inter), (inter, h)],
         "fused": [(h, h + 2 * kv * d), (h, h), (h, 2 * inter), (inter, h)]}
 
-    def timed_s(fn, per_call: int) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            if device == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                fn()
-                seconds = time.perf_counter() - t0
-            times.append(seconds / per_call)
-        return float(np.median(times))
-
     def layer_s(rows: int, proj: list[tuple[int, int]]) -> float:
         layer_bytes = 2 * sum(k * m for k, m in proj)
         copies = max(2, -(-256 * 2 ** 20 // layer_bytes))
@@ -178,12 +168,13 @@ def matmul_floor(spec: dict, n: int, prompt: int, out: int, step_tokens: int,
                 for layer in ws:
                     for (k, _), w in zip(proj, layer):
                         torch.nn.functional.linear(xs[k], w)
-        return timed_s(run, rounds * copies)
+        return median_s(run, 5, device) / (rounds * copies)
 
     def head_s(rows: int) -> float:
         w = torch.randn(vocab, h, device=device, dtype=dtype)
         x = torch.randn(rows, h, device=device, dtype=dtype)
-        return timed_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(8)], 8)
+        return median_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(8)], 5,
+                        device) / 8
 
     tokens = n * prompt
     chunks = [step_tokens] * (tokens // step_tokens) + [tokens % step_tokens] * bool(
