@@ -31,6 +31,12 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("error", pa.string()),
 )
 OUTPUT_COLUMNS: tuple[str, ...] = ("id",) + tuple(f.name for f in GENERATED_FIELDS)
+# Generated columns written without dictionary encoding: token ids, logprobs, ranks and seeds
+# take ~every value once per part, so a dictionary only grows until Parquet gives it up
+# (4x the write time of plain encoding for a part with logprobs, and a bigger file). The other
+# columns (finish reasons, errors, counts, every passthrough column) keep it.
+PLAIN_COLUMNS = frozenset({"output_token_ids", "logprobs", "top_logprobs", "sampled_ranks",
+                           "prompt_logprobs", "seed"})
 
 
 def output_schema(id_type: pa.DataType = pa.string(),
@@ -45,6 +51,29 @@ def output_schema(id_type: pa.DataType = pa.string(),
                                  "that name; rename it in the input")
             fields.append(f.with_nullable(True))
     return pa.schema(fields)
+
+
+def leaf_paths(name: str, type_: pa.DataType) -> list[str]:
+    """The Parquet column paths of an Arrow field (how ``use_dictionary`` names columns):
+    ``a.list.element`` for a list, ``s.x`` for a struct's child, ``m.key_value.key`` and
+    ``.value`` for a map."""
+    if pa.types.is_map(type_):
+        return (leaf_paths(f"{name}.key_value.key", type_.key_type)
+                + leaf_paths(f"{name}.key_value.value", type_.item_type))
+    if (pa.types.is_list(type_) or pa.types.is_large_list(type_)
+            or pa.types.is_fixed_size_list(type_)):
+        return leaf_paths(f"{name}.list.element", type_.value_type)
+    if pa.types.is_struct(type_):
+        return [path for i in range(type_.num_fields)
+                for path in leaf_paths(f"{name}.{type_.field(i).name}", type_.field(i).type)]
+    return [name]
+
+
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """``pyarrow.parquet.write_table`` options for a part of ``schema``: dictionary encoding
+    for every column but :data:`PLAIN_COLUMNS`."""
+    return {"use_dictionary": [path for f in schema if f.name not in PLAIN_COLUMNS
+                               for path in leaf_paths(f.name, f.type)]}
 
 
 def _as_list(value: Any) -> list | None:

@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
-from actors.schema import OUTPUT_COLUMNS, build_table
+from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
 
 __all__ = ["ErrorOutput", "PartWriteError", "ShardResult", "ShardTask", "prepare_requests",
            "process_shard", "read_rows", "warm_up_io", "write_failed_shard", "write_part"]
@@ -141,7 +141,7 @@ def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
     output_dir = task.output_dir.rstrip("/")
     temp, final = f"{output_dir}/{task.temp_name}", f"{output_dir}/{task.part_name}"
     try:
-        pq.write_table(part, temp, filesystem=task.output_fs)
+        pq.write_table(part, temp, filesystem=task.output_fs, **parquet_options(task.schema))
         task.output_fs.move(temp, final)
     except OSError as exc:
         try:  # a half-written temporary helps nobody (a rerun would remove it anyway)
@@ -177,7 +177,7 @@ def warm_up_io() -> float:
         "top_logprobs": pa.array([[[{"token_id": 1, "logprob": -0.5}]]]),
     })
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, **parquet_options(table.schema))
     back = pq.read_table(pa.BufferReader(sink.getvalue()))
     if back.num_rows != 1:
         raise RuntimeError("the Parquet warm-up read back a wrong table")

@@ -93,3 +93,46 @@ def test_top_logprobs_reads_as_a_list_of_steps():
     assert out.to_dict()["top_logprobs"] == plain and type(out.to_dict()["top_logprobs"]) is list
     empty = TopLogprobs(np.zeros((0, 4), np.int64), np.zeros((0, 4), np.float32))
     assert len(empty) == 0 and empty == [] and empty.token_ids.shape == (0, 4)
+
+
+def test_leaf_paths_are_the_column_paths_parquet_writes():
+    import pyarrow.parquet as pq
+
+    from actors.schema import leaf_paths
+
+    schema = pa.schema([
+        ("a", pa.list_(pa.int32())), ("b", pa.large_list(pa.string())),
+        ("c", pa.list_(pa.int8(), 2)), ("d", pa.map_(pa.string(), pa.list_(pa.int64()))),
+        ("e", pa.struct([("x", pa.list_(pa.struct([("y", pa.int32()), ("z", pa.string())])))])),
+        ("f", pa.dictionary(pa.int32(), pa.string())), ("g.h", pa.int32()),
+        *[(f.name, f.type) for f in output_schema()]])
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    meta = pq.ParquetFile(pa.BufferReader(sink.getvalue())).metadata
+    written = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    assert [p for f in schema for p in leaf_paths(f.name, f.type)] == written
+
+
+def test_parts_are_written_plain_where_values_do_not_repeat_and_with_dictionaries_elsewhere():
+    import pyarrow.parquet as pq
+
+    from actors.schema import PLAIN_COLUMNS, parquet_options
+
+    outs = [SimpleNamespace(sample_index=0, output_token_ids=[i, i + 1], finish_reason="length",
+                            logprobs=[-0.1, -0.2], sampled_ranks=[1, 2], num_output_tokens=2,
+                            seed=i, top_logprobs=[[{"token_id": i, "logprob": -0.1}]] * 2)
+            for i in range(4)]
+    passthrough = pa.table({"group": pa.array(["x", "y", "x", "y"]),
+                            "tags": pa.array([{"k": 1}] * 4)})
+    schema = output_schema(passthrough=passthrough.schema)
+    table = build_table(pa.array(list("abcd")), outs, passthrough, schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, **parquet_options(schema))
+    meta = pq.ParquetFile(pa.BufferReader(sink.getvalue())).metadata
+    group = meta.row_group(0)
+    encodings = {group.column(i).path_in_schema: group.column(i).encodings
+                 for i in range(group.num_columns)}
+    dictionary = {path.split(".")[0] for path, enc in encodings.items()
+                  if "RLE_DICTIONARY" in enc}
+    assert dictionary == {f.name for f in schema} - PLAIN_COLUMNS
+    assert pq.read_table(pa.BufferReader(sink.getvalue())).equals(table)
