@@ -25,27 +25,39 @@ class GenerationActor:
     Args:
         model: local directory or hub id.
         engine_config: an ``EngineConfig``, a dict of its fields, or None for the defaults.
+        first_shard: a job's ``ShardTask`` this actor will be asked to run first: its rows are
+            read and its requests built while the model loads (``actors.shard.ShardPrefetch``),
+            and its ``process_shard`` call starts generating at once.
 
     Example:
         >>> actor = GenerationActor("/tmp/tiny-llama", {"max_num_seqs": 8})  # doctest: +SKIP
         >>> outs = actor.generate(["Hello"], {"max_tokens": 4, "seed": 1})  # doctest: +SKIP
     """
 
-    def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None):
+    def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None,
+                 *, first_shard: Any = None):
         started = time.perf_counter()
         bytecode = cache_bytecode() if _in_ray_actor() else None
         from actors.engine import Engine
+        from actors.shard import ShardPrefetch, warm_up_io
 
         imported = time.perf_counter()
         self.model = str(model)
         self.engine_config = EngineConfig.coerce(engine_config)
-        self.engine = Engine(self.model, self.engine_config)
+        # imports done above: the thread imports nothing the model load imports meanwhile
+        self._prefetch = ShardPrefetch(first_shard) if first_shard is not None else None
+        try:
+            self.engine = Engine(self.model, self.engine_config)
+        except BaseException:
+            if self._prefetch is not None:
+                self._prefetch.cancel()
+            raise
+        if self._prefetch is not None:
+            self._prefetch.engine_ready(self.engine)
         built = time.perf_counter()
         warm = 0.0
         if self.engine.loaded.device.type == "cuda":  # kernels compiled before real work
             warm = self.engine.warm_up()
-        from actors.shard import warm_up_io
-
         io_warm = warm_up_io()  # the first shard's part file then costs what the others do
         # what is alive now (modules, model, engine) lives as long as the actor: keep it out
         # of the collector's full passes, which otherwise walk it while the engine loop waits
@@ -136,8 +148,13 @@ class GenerationActor:
 
         server = server_for(self, self.engine)
         stats: dict[str, float] = {}
+        prefetch, prepared = getattr(self, "_prefetch", None), None
+        if prefetch is not None:
+            prepared = prefetch.take(task)
+            if prefetch.key == (task.shard_id, task.attempt):
+                self._prefetch = None  # used once (or failed: this call reads the shard)
         result = process_shard(task, partial(server.run, exclusive=task.deterministic,
-                                             stats=stats))
+                                             stats=stats), prepared)
         result.engine = stats
         return result
 

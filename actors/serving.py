@@ -88,20 +88,23 @@ class EngineServer:
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def run(self, requests: Sequence[tuple[str, Any, Any]], *,
-            exclusive: bool = False, stats: dict[str, float] | None = None) -> list[Any]:
+    def run(self, requests: Sequence[tuple[str, Any, Any]], *, exclusive: bool = False,
+            stats: dict[str, float] | None = None, built: Any = None) -> list[Any]:
         """Adds ``requests`` (request_id, prompt, params) and blocks until every sample of each
         has finished. Returns their outputs in finishing order. ``exclusive``: run them alone
         on an idle engine with a fresh prefix cache (see the module docstring). ``stats``: a
         dict that receives where the call's time went: ``queued_s`` (waiting to be admitted),
         ``run_s`` (admission to the last output) and the engine's ``steps``, ``busy_s``,
         ``device_wait_s`` and ``cpu_s`` over ``run_s`` (``Engine.counters``; a shared call's
-        figures include the steps it shared)."""
+        figures include the steps it shared). ``built``: what ``Engine.build_requests`` made
+        of ``requests`` already (``actors.shard.ShardPrefetch``)."""
         batch = _Batch(requests, exclusive)
         if not batch.expected:
             return []
         build = getattr(self._engine, "build_requests", None)
-        if build is not None:  # validated and tokenized here, not on the loop thread
+        if built is not None:
+            batch.requests = built
+        elif build is not None:  # validated and tokenized here, not on the loop thread
             batch.requests = build(requests)
         with self._cond:
             if self._broken is not None:

@@ -9,6 +9,7 @@ error rows naming the field, the row id and the shard; the shard goes on.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,8 +21,9 @@ import pyarrow.parquet as pq
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
 from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
 
-__all__ = ["ErrorOutput", "PartWriteError", "ShardResult", "ShardTask", "prepare_requests",
-           "process_shard", "read_rows", "warm_up_io", "write_failed_shard", "write_part"]
+__all__ = ["ErrorOutput", "PartWriteError", "PreparedShard", "ShardPrefetch", "ShardResult",
+           "ShardTask", "prepare_requests", "prepare_shard", "process_shard", "read_rows",
+           "warm_up_io", "write_failed_shard", "write_part"]
 
 RunRequests = Callable[[Sequence[Request]], Sequence[Any]]
 
@@ -107,16 +109,51 @@ class _Relabelled:
         return getattr(self._output, name)
 
 
-def process_shard(task: ShardTask, run: RunRequests) -> ShardResult:
-    """Reads the shard, runs its requests through ``run`` (blocking: requests -> finished
-    outputs, e.g. ``EngineServer.run`` or ``Engine.generate``) and commits the part file."""
+@dataclass(slots=True)
+class PreparedShard:
+    """A shard's rows read and turned into requests (``prepare_shard``); ``built``: the
+    engine's ``build_requests`` of them, when made ahead (``ShardPrefetch``)."""
+
+    table: pa.Table
+    ids: pa.Array
+    id_values: list
+    requests: list[Request]
+    failed: dict[int, Any]
+    seconds: float
+    built: Any = None
+
+
+def prepare_shard(task: ShardTask) -> PreparedShard:
+    """Reads the shard's rows and makes its requests (bad rows become error outputs)."""
     started = time.perf_counter()
     table = read_rows(task)
     ids, id_values, id_errors = row_ids(task, table)
     requests, failed = prepare_requests(task, table, id_values, id_errors)
-    prepared = time.perf_counter()
-    rows: list[tuple[int, int, Any]] = [(i, 0, out) for i, out in failed.items()]
-    for out in run(requests) if requests else ():
+    return PreparedShard(table, ids, id_values, requests, failed,
+                         time.perf_counter() - started)
+
+
+def process_shard(task: ShardTask, run: RunRequests,
+                  prepared: PreparedShard | None = None) -> ShardResult:
+    """Reads the shard, runs its requests through ``run`` (blocking: requests -> finished
+    outputs, e.g. ``EngineServer.run`` or ``Engine.generate``; given ``prepared.built`` too, as
+    ``built=``, when they were built ahead) and commits the part file. ``prepared``: the shard
+    already read (``ShardPrefetch``); its reading time is then reported as the ``prefetch``
+    phase, apart from this call's."""
+    started = time.perf_counter()
+    phases: dict[str, float] = {}
+    if prepared is None:
+        prepared = prepare_shard(task)
+    else:
+        phases["prefetch"] = prepared.seconds
+    table, ids, id_values = prepared.table, prepared.ids, prepared.id_values
+    requests = prepared.requests
+    built_ahead = prepared.built is not None
+    prepared_at = time.perf_counter()
+    rows: list[tuple[int, int, Any]] = [(i, 0, out) for i, out in prepared.failed.items()]
+    outputs = ((run(requests, built=prepared.built) if built_ahead else run(requests))
+               if requests else ())
+    for out in outputs:
         i = int(str(out.id).rsplit(".", 1)[1])
         error = getattr(out, "error", None)
         if error is not None:
@@ -125,9 +162,57 @@ def process_shard(task: ShardTask, run: RunRequests) -> ShardResult:
     rows.sort(key=lambda r: (r[0], r[1]))
     generated = time.perf_counter()
     result = write_part(task, table, ids, rows, started)
-    result.phases = {"prepare": prepared - started, "generate": generated - prepared,
-                     "write": time.perf_counter() - generated}
+    phases.update(prepare=prepared_at - started, generate=generated - prepared_at,
+                  write=time.perf_counter() - generated)
+    result.phases = phases
     return result
+
+
+class ShardPrefetch:
+    """Prepares an actor's first shard while its model loads: a thread reads the rows and
+    makes the requests at once (no engine needed), and builds them (``Engine.build_requests``:
+    validation and tokenization) once ``engine_ready`` hands it the engine. ``take`` gives the
+    result to the ``process_shard`` call of that shard and attempt (waiting for the thread
+    if it is still at work), or None: for another shard, after ``cancel``, or when the
+    prefetch raised (the call then reads the shard itself and meets the same error there)."""
+
+    def __init__(self, task: ShardTask) -> None:
+        self.key = (task.shard_id, task.attempt)
+        self._engine: Any = None
+        self._engine_known = threading.Event()
+        self._result: PreparedShard | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(task,), daemon=True,
+                                        name="shard-prefetch")
+        self._thread.start()
+
+    def _run(self, task: ShardTask) -> None:
+        try:
+            prepared = prepare_shard(task)
+            self._engine_known.wait()
+            if getattr(self._engine, "build_requests", None) is not None and prepared.requests:
+                started = time.perf_counter()
+                prepared.built = self._engine.build_requests(prepared.requests)
+                prepared.seconds += time.perf_counter() - started
+            self._result = prepared
+        except BaseException as exc:  # noqa: BLE001 - the shard's own call meets it again
+            self.error = exc
+
+    def engine_ready(self, engine: Any) -> None:
+        """The engine to build the requests with (None: read only, never build)."""
+        self._engine = engine
+        self._engine_known.set()
+
+    def cancel(self) -> None:
+        """Lets the thread end without building (the engine could not be made)."""
+        self.engine_ready(None)
+
+    def take(self, task: ShardTask) -> PreparedShard | None:
+        if (task.shard_id, task.attempt) != self.key:
+            return None
+        self._thread.join()
+        result, self._result = self._result, None
+        return result
 
 
 def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,

@@ -2,8 +2,9 @@
 
 Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has the next
 shard's requests while the current one drains. Each actor of the first pool gets its first
-shard with its constructor call (Ray queues it behind the constructor), so it starts reading
-rows the moment its model is up instead of a driver round trip later. A shard whose attempt
+shard with its constructor call (Ray queues it behind the constructor), and the constructor is
+told which it is (``start_actor(first_shard=task)``), so the actor reads its rows while the
+model loads and generates the moment its model is up. A shard whose attempt
 failed (its actor died, its engine broke, or it raised) is retried alone on an idle actor, so
 a later failure is blamed on it and not on a bystander; after ``max_attempts`` its rows are
 written as error rows by the driver. A part-file write failure (the output storage) ends the
@@ -83,9 +84,11 @@ class Dispatcher:
             return
         try:
             for slot in self._slots:
-                self._launch(slot)
-                if self._pending:  # queued behind its constructor: starts when the model is up
-                    self._submit(slot, *self._pending.popleft(), exclusive=False)
+                # queued behind its constructor: starts when the model is up
+                first = self._make_task(*self._pending.popleft()) if self._pending else None
+                self._launch(slot, first)
+                if first is not None:
+                    self._submit_task(slot, first, exclusive=False)
             while self._pending or self._retry or any(s.inflight for s in self._slots):
                 self._assign()
                 waiting = {ref: slot for slot in self._slots
@@ -102,8 +105,9 @@ class Dispatcher:
                 self._kill(slot)
 
     # ------------------------------------------------------------------ actors
-    def _launch(self, slot: _Slot) -> None:
-        slot.handle = self._start_actor()
+    def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:
+        slot.handle = (self._start_actor(first_shard=first_shard) if first_shard is not None
+                       else self._start_actor())
         # the actor's startup report (when it has one) doubles as the readiness call
         ready = getattr(slot.handle, "startup_report", None) or slot.handle.__ray_ready__
         slot.ready = ready.remote()
@@ -156,7 +160,9 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ shards
     def _submit(self, slot: _Slot, shard_id: int, attempt: int, exclusive: bool) -> None:
-        task = self._make_task(shard_id, attempt)
+        self._submit_task(slot, self._make_task(shard_id, attempt), exclusive)
+
+    def _submit_task(self, slot: _Slot, task: ShardTask, exclusive: bool) -> None:
         slot.inflight[slot.handle.process_shard.remote(task)] = task
         slot.exclusive = exclusive
 

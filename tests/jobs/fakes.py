@@ -109,19 +109,26 @@ class FakeEngine:
 
 
 class FakeActor:
-    """Stands in for ``GenerationActor`` (same constructor and ``process_shard``)."""
+    """Stands in for ``GenerationActor`` (same constructor and ``process_shard``; the first
+    shard is read ahead as there)."""
 
-    def __init__(self, model: str, engine_config: Any = None) -> None:
+    def __init__(self, model: str, engine_config: Any = None, *, first_shard: Any = None) -> None:
+        from actors.shard import ShardPrefetch
+
         self.model = model
         self.engine = FakeEngine()
+        self._prefetch = ShardPrefetch(first_shard) if first_shard is not None else None
+        if self._prefetch is not None:
+            self._prefetch.engine_ready(self.engine)
 
     def process_shard(self, task):
         from actors.serving import server_for
         from actors.shard import process_shard
 
         server = server_for(self, self.engine)
-        return process_shard(task, lambda requests: server.run(
-            requests, exclusive=task.deterministic))
+        prepared = self._prefetch.take(task) if self._prefetch is not None else None
+        return process_shard(task, lambda requests, **built: server.run(
+            requests, exclusive=task.deterministic, **built), prepared)
 
 
 class SlowFakeEngine(FakeEngine):

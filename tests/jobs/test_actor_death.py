@@ -40,8 +40,8 @@ def faulty_actor(run_dir: str, die_at_step: int) -> type:
     actor to claim the file ``<run_dir>/exit-token``: one exit from inside per job."""
 
     class FaultyActor(GenerationActor):
-        def __init__(self, model, engine_config=None):
-            super().__init__(model, engine_config)
+        def __init__(self, model, engine_config=None, *, first_shard=None):
+            super().__init__(model, engine_config, first_shard=first_shard)
             actor_id = ray.get_runtime_context().get_actor_id()
             with open(os.path.join(run_dir, f"actor-{actor_id}.pid"), "w") as f:
                 f.write(str(os.getpid()))
@@ -114,8 +114,8 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
     def recording_factory(*args, **kwargs):
         start = real_factory(*args, **kwargs)
 
-        def start_and_record():
-            handle = start()
+        def start_and_record(**kwargs):
+            handle = start(**kwargs)
             handles.append(handle)
             return handle
 

@@ -70,6 +70,25 @@ def test_job_commits_every_shard_once(clean_run):
     assert not [p for p in (root / "out").iterdir() if p.name.startswith(".")]
 
 
+def test_each_first_actor_reads_its_first_shard_while_it_starts(ray_local, tiny_llama,
+                                                               tmp_path, caplog):
+    """The first pool's actors get their first shard with the constructor: those two shards
+    (0 and 1, one per actor) report a prefetch phase, every later shard reads its own rows."""
+    import logging
+    import re
+
+    write_parquet(tmp_path / "in" / "a.parquet", _rows(35), row_group_size=9)
+    caplog.set_level(logging.INFO, logger="jobs.runner")
+    res = run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out"), actor_cls=FakeActor,
+                  progress=False)
+    assert res.shards == 5 and res.errors == 0
+    lines = {int(m.group(1)): m.group(3) for r in caplog.records
+             if (m := re.match(r"shard (\d+) by (actor-\d): (.*)", r.getMessage()))}
+    assert sorted(lines) == [0, 1, 2, 3, 4]
+    assert [s for s, text in sorted(lines.items()) if text.startswith("prefetch ")] == [0, 1]
+    assert all(text.startswith("prepare ") for s, text in lines.items() if s >= 2)
+
+
 def test_actor_death_is_retried_and_output_matches_clean_run(clean_run, tiny_llama, tmp_path):
     marker = tmp_path / "died-once"
     _write_input(tmp_path / "in", special={11: f"DIE-ONCE:{marker}", 45: f"DIE-ONCE:{marker}"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -205,3 +206,96 @@ def test_a_row_with_a_bad_seed_and_another_bad_field_names_one_field_in_every_fo
         assert error and error.startswith("row id 'r' (shard 0): sampling_params."), error
         errors[form] = error
     assert errors["object"] == errors["text"]
+
+
+class _BuildingEngine(FakeEngine):
+    """A FakeEngine with ``build_requests``: records the thread that built each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built_on: list[str] = []
+
+    def build_requests(self, requests):
+        import threading
+
+        self.built_on.append(threading.current_thread().name)
+        return [("built", rid, prompt, params) for rid, prompt, params in requests]
+
+    def add_requests(self, requests, *, fresh_prefix_cache=False):
+        super().add_requests([item[1:] for item in requests],
+                             fresh_prefix_cache=fresh_prefix_cache)
+
+
+def test_a_prefetched_shard_writes_the_same_part_and_is_built_on_the_prefetch_thread(tmp_path):
+    from actors.shard import ShardPrefetch
+
+    rows = [{"id": f"r{i}", "prompt": f"p {i}", "sampling_params": {"max_tokens": 1 + i % 3}}
+            for i in range(9)] + [{"id": "bad", "prompt": "x", "sampling_params": {"top_p": 5}}]
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    [task] = _tasks(tmp_path, rows_per_shard=16)
+    plain = process_shard(task, EngineServer(_BuildingEngine()).run)
+    expected = pq.read_table(tmp_path / "out" / task.part_name)
+
+    engine = _BuildingEngine()
+    prefetch = ShardPrefetch(task)
+    other = dataclasses.replace(task, attempt=2)
+    assert prefetch.take(other) is None  # attempt 2 of the shard is not what was read
+    prefetch.engine_ready(engine)
+    prepared = prefetch.take(task)
+    assert prepared is not None and prepared.built is not None
+    assert engine.built_on == ["shard-prefetch"]
+    assert prefetch.take(task) is None  # handed out once
+    result = process_shard(task, EngineServer(engine).run, prepared)
+    assert engine.built_on == ["shard-prefetch"]  # not built again by the run
+    assert pq.read_table(tmp_path / "out" / task.part_name).equals(expected)
+    assert set(result.phases) == {"prefetch", "prepare", "generate", "write"}
+    assert set(plain.phases) == {"prepare", "generate", "write"}
+    assert result.errors == plain.errors == 1
+
+
+def test_a_prefetch_that_fails_leaves_the_shard_to_meet_the_error_itself(tmp_path):
+    from actors.shard import ShardPrefetch
+
+    write_parquet(tmp_path / "in" / "a.parquet", [{"id": 1, "prompt": "p"}])
+    [task] = _tasks(tmp_path, rows_per_shard=4)
+    (tmp_path / "in" / "a.parquet").unlink()  # gone after planning
+    prefetch = ShardPrefetch(task)
+    prefetch.cancel()  # no engine: the thread ends after reading
+    assert prefetch.take(task) is None and isinstance(prefetch.error, OSError)
+    with pytest.raises(OSError):
+        process_shard(task, EngineServer(FakeEngine()).run)
+
+
+def test_an_actor_given_its_first_shard_reads_and_builds_it_while_the_model_loads(
+        tmp_path, tiny_llama, monkeypatch):
+    import threading
+
+    from actors.actor import GenerationActor
+    from actors.engine import Engine
+
+    built_on = []
+    real_build = Engine.build_requests
+
+    def spy(self, requests, **kw):
+        built_on.append(threading.current_thread().name)
+        return real_build(self, requests, **kw)
+
+    monkeypatch.setattr(Engine, "build_requests", spy)
+    rows = [{"id": i, "prompt_token_ids": [3 + i, 4, 5], "sampling_params":
+             {"max_tokens": 2 + i % 3, "seed": i, "temperature": 0.7, "logprobs": i % 2}}
+            for i in range(6)]
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    [task] = _tasks(tmp_path, rows_per_shard=8)
+    engine_config = {"max_num_seqs": 4, "num_kv_blocks": 64, "max_model_len": 64}
+    plain = GenerationActor(tiny_llama, engine_config).process_shard(task)
+    expected = pq.read_table(tmp_path / "out" / task.part_name)
+    assert built_on == ["MainThread"] and "prefetch" not in plain.phases
+
+    built_on.clear()
+    actor = GenerationActor(tiny_llama, engine_config, first_shard=task)
+    result = actor.process_shard(task)
+    assert built_on == ["shard-prefetch"]  # built ahead, once
+    assert set(result.phases) == {"prefetch", "prepare", "generate", "write"}
+    assert pq.read_table(tmp_path / "out" / task.part_name).equals(expected)
+    again = actor.process_shard(task)  # a second call of that shard reads it itself
+    assert "prefetch" not in again.phases and built_on == ["shard-prefetch", "MainThread"]
