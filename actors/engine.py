@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from actors import profiling
 from actors.config import EngineConfig
 from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
@@ -231,6 +232,7 @@ class Engine:
         """Runs one step; returns the outputs of the samples that finished (or failed)."""
         with self._step_lock:
             started, cpu_started = time.perf_counter(), time.thread_time()
+            wait_before, cpu_before = self.counters.device_wait_s, self.counters.cpu_s
             if self._blocked is not None and self.has_unfinished_requests():
                 raise RuntimeError(self._blocked)
             self._drain_inbox()
@@ -246,8 +248,12 @@ class Engine:
             ready, self._ready = self._ready, []
             counters = self.counters
             counters.steps += launched is not None
-            counters.busy_s += time.perf_counter() - started
+            busy = time.perf_counter() - started
+            counters.busy_s += busy
             counters.cpu_s += time.thread_time() - cpu_started
+            if profiling.trace is not None:  # RAYGEN_TRACE_DIR: a timeline for diagnosis
+                profiling.trace.step(time.time(), busy, counters.device_wait_s - wait_before,
+                                     counters.cpu_s - cpu_before, sum(sched.num_new))
             return ready
 
     def _admit_to_sampler(self, seq: Sequence) -> None:

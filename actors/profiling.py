@@ -47,3 +47,71 @@ class LoopProfile:
             self._profile.dump_stats(self.path)
         finally:
             self._profile.enable()
+
+
+TRACE_ENV = "RAYGEN_TRACE_DIR"
+
+
+class Trace:
+    """Opt-in timeline of a process's engine work, for finding where a job's time goes.
+
+    With ``RAYGEN_TRACE_DIR=<dir>``, ``trace`` (the process's one instance, None otherwise)
+    records every engine step (``Engine.step``: its end on the wall clock, host seconds,
+    seconds waiting for the device, the thread's CPU seconds, tokens scheduled), every
+    collection of the cyclic garbage collector (generation, seconds, thread) and the phases
+    of the shards (``event``); ``dump()`` writes them to ``<dir>/trace-<pid>.json``
+    (replaced each time, so a killed process keeps what it had written): the engine loop dumps
+    after each batch and a shard after writing its part. Each record costs a tuple append.
+    ``benchmarks/job_bench.py`` passes the variable on to the bare engine and the actors.
+
+        RAYGEN_TRACE_DIR=$OUT/trace python3 benchmarks/job_bench.py --max-actors 1 ..."""
+
+    def __init__(self, directory: str) -> None:
+        import gc
+        import threading
+
+        self.path = os.path.join(directory, f"trace-{os.getpid()}.json")
+        self.steps: list[tuple] = []
+        self.events: list[tuple] = []
+        self._gc_started: dict[int, float] = {}
+        self._threading = threading
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        import time
+
+        ident = self._threading.get_ident()
+        if phase == "start":
+            self._gc_started[ident] = time.time()
+            return
+        started = self._gc_started.pop(ident, None)
+        if started is not None:
+            self.events.append(("gc", self._threading.current_thread().name, started,
+                                time.time(), info.get("generation"), info.get("collected")))
+
+    def step(self, end: float, host_s: float, wait_s: float, cpu_s: float,
+             tokens: int) -> None:
+        self.steps.append((end, host_s, wait_s, cpu_s, tokens))
+
+    def event(self, kind: str, start: float, end: float, detail: object = None) -> None:
+        """A span of work on the calling thread (wall-clock ``time.time()`` seconds)."""
+        self.events.append((kind, self._threading.current_thread().name, start, end, detail))
+
+    def close(self) -> None:
+        """Stops recording collections (the steps and events recorded stay)."""
+        import gc
+
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def dump(self) -> None:
+        import json
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        temp = f"{self.path}.tmp"
+        with open(temp, "w") as f:
+            json.dump({"pid": os.getpid(), "steps": self.steps, "events": self.events}, f)
+        os.replace(temp, self.path)
+
+
+trace: Trace | None = Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from actors import profiling
 from actors.profiling import LoopProfile
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class _Batch:
         self.failure: BaseException | None = None
         self.submitted = time.perf_counter()
         self.admitted = 0.0
+        self.admitted_wall = 0.0
         self.counters_at_admission: Any = None
         self.stats: dict[str, float] = {}
 
@@ -105,7 +107,10 @@ class EngineServer:
         if built is not None:
             batch.requests = built
         elif build is not None:  # validated and tokenized here, not on the loop thread
+            wall = time.time()
             batch.requests = build(requests)
+            if profiling.trace is not None:
+                profiling.trace.event("build", wall, time.time(), len(requests))
         with self._cond:
             if self._broken is not None:
                 raise EngineFailure(f"engine failed earlier: {self._broken!r}")
@@ -139,7 +144,7 @@ class EngineServer:
                     break
                 self._cond.wait()
         for batch in taken:
-            batch.admitted = time.perf_counter()
+            batch.admitted, batch.admitted_wall = time.perf_counter(), time.time()
             batch.counters_at_admission = self._counters()
             for rid in batch.expected:
                 self._owner[rid] = batch
@@ -167,6 +172,10 @@ class EngineServer:
             for batch in touched:
                 if batch.complete():
                     profile.dump()
+                    if profiling.trace is not None:
+                        profiling.trace.event("batch", batch.admitted_wall, time.time(),
+                                              len(batch.expected))
+                        profiling.trace.dump()
                     self._release(batch)
             if not self._engine.has_unfinished_requests():
                 self._release_stuck()

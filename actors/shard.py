@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from actors import profiling
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
 from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
 
@@ -140,10 +141,11 @@ def process_shard(task: ShardTask, run: RunRequests,
     ``built=``, when they were built ahead) and commits the part file. ``prepared``: the shard
     already read (``ShardPrefetch``); its reading time is then reported as the ``prefetch``
     phase, apart from this call's."""
-    started = time.perf_counter()
+    started, wall = time.perf_counter(), time.time()
     phases: dict[str, float] = {}
     if prepared is None:
         prepared = prepare_shard(task)
+        _trace("prepare", wall, task.shard_id)
     else:
         phases["prefetch"] = prepared.seconds
     table, ids, id_values = prepared.table, prepared.ids, prepared.id_values
@@ -160,12 +162,21 @@ def process_shard(task: ShardTask, run: RunRequests,
             out = _Relabelled(out, row_message(task, id_values[i], i, str(error)))
         rows.append((i, int(out.sample_index), out))
     rows.sort(key=lambda r: (r[0], r[1]))
-    generated = time.perf_counter()
+    generated, wall = time.perf_counter(), time.time()
     result = write_part(task, table, ids, rows, started)
+    _trace("write", wall, task.shard_id)
+    if profiling.trace is not None:
+        profiling.trace.dump()
     phases.update(prepare=prepared_at - started, generate=generated - prepared_at,
                   write=time.perf_counter() - generated)
     result.phases = phases
     return result
+
+
+def _trace(kind: str, start: float, shard_id: int) -> None:
+    """A span from ``start`` (``time.time()``) to now on ``RAYGEN_TRACE_DIR``'s timeline."""
+    if profiling.trace is not None:
+        profiling.trace.event(kind, start, time.time(), shard_id)
 
 
 class ShardPrefetch:
@@ -188,12 +199,15 @@ class ShardPrefetch:
 
     def _run(self, task: ShardTask) -> None:
         try:
+            wall = time.time()
             prepared = prepare_shard(task)
+            _trace("prefetch", wall, task.shard_id)
             self._engine_known.wait()
             if getattr(self._engine, "build_requests", None) is not None and prepared.requests:
-                started = time.perf_counter()
+                started, wall = time.perf_counter(), time.time()
                 prepared.built = self._engine.build_requests(prepared.requests)
                 prepared.seconds += time.perf_counter() - started
+                _trace("build", wall, task.shard_id)
             self._result = prepared
         except BaseException as exc:  # noqa: BLE001 - the shard's own call meets it again
             self.error = exc

@@ -245,6 +245,11 @@ def bare_stage(args) -> None:
         elapsed = time.perf_counter() - t0
         spent = engine.counters.since(before)
     profile.dump()
+    from actors import profiling
+
+    if profiling.trace is not None:  # RAYGEN_TRACE_DIR: the bare run's steps, as the actors'
+        profiling.trace.event("batch", time.time() - elapsed, time.time(), len(requests))
+        profiling.trace.dump()
     tokens = sum(o.num_output_tokens for o in outputs)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     outputs.sort(key=lambda o: index[o.id])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -299,3 +300,39 @@ def test_an_actor_given_its_first_shard_reads_and_builds_it_while_the_model_load
     assert pq.read_table(tmp_path / "out" / task.part_name).equals(expected)
     again = actor.process_shard(task)  # a second call of that shard reads it itself
     assert "prefetch" not in again.phases and built_on == ["shard-prefetch", "MainThread"]
+
+
+def test_a_trace_records_every_step_the_shard_phases_and_collections(tmp_path, tiny_llama,
+                                                                      monkeypatch):
+    import gc
+
+    from actors import profiling
+    from actors.actor import GenerationActor
+
+    rows = [{"id": i, "prompt_token_ids": [3 + i, 4, 5, 6][: 2 + i % 3],
+             "sampling_params": {"max_tokens": 2 + i % 4, "seed": i, "logprobs": 1}}
+            for i in range(5)]
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    [task] = _tasks(tmp_path, rows_per_shard=8)
+    actor = GenerationActor(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64,
+                                         "max_model_len": 64})
+    trace = profiling.Trace(str(tmp_path / "trace"))
+    monkeypatch.setattr(profiling, "trace", trace)
+    try:
+        result = actor.process_shard(task)
+        gc.collect()
+    finally:
+        trace.close()
+    trace.dump()
+    data = json.loads((tmp_path / "trace" / f"trace-{os.getpid()}.json").read_text())
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    # every token the engine computed: prompts, then each output token but the last
+    computed = (sum(part.column("num_prompt_tokens").to_pylist())
+                + sum(part.column("num_output_tokens").to_pylist()) - part.num_rows)
+    assert sum(step[4] for step in data["steps"]) == computed
+    assert len([s for s in data["steps"] if s[4]]) == result.engine["steps"]
+    assert all(end > 0 and host >= wait >= 0 for end, host, wait, _, _ in data["steps"])
+    kinds = [e[0] for e in data["events"] if e[0] != "gc"]
+    assert kinds == ["prepare", "build", "batch", "write"]
+    assert [e[4] for e in data["events"] if e[0] == "gc" and e[1] == "MainThread"][-1] == 2
+    assert gc.callbacks.count(trace._on_gc) == 0
