@@ -157,3 +157,66 @@ def test_server_shortens_the_gil_switch_interval(monkeypatch):
     seen.clear()
     EngineServer(FakeEngine())
     assert seen == []
+
+
+class _WaitingEngine(FakeEngine):
+    """A FakeEngine whose steps are 20 ms of host work, then 20 ms of waiting for a device
+    (``host_free`` set, as ``Engine`` sets it around its wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_free = threading.Event()
+
+    def step(self):
+        time.sleep(0.02)  # host work
+        self.host_free.set()
+        time.sleep(0.02)  # the device
+        self.host_free.clear()
+        return super().step()
+
+
+def test_pace_returns_when_the_loop_waits_for_the_device_or_is_idle():
+    from actors.serving import PACE_S
+
+    engine = _WaitingEngine()
+    server = EngineServer(engine)
+    deadline = time.perf_counter() + 1.0
+    while not engine.host_free.is_set() and time.perf_counter() < deadline:
+        time.sleep(0.001)  # the idle loop marks the interpreter free
+    started = time.perf_counter()
+    server.pace()
+    assert time.perf_counter() - started < PACE_S / 2
+    caller = threading.Thread(target=server.run, args=(_reqs("a", 2, max_tokens=20),))
+    caller.start()
+    time.sleep(0.01)
+    paces = []
+    for _ in range(20):
+        started = time.perf_counter()
+        server.pace()
+        paces.append((time.perf_counter() - started, engine.host_free.is_set()))
+    caller.join()
+    # each pace returns either within its bound or as soon as the loop waits on the device
+    assert all(seconds <= PACE_S + 0.01 for seconds, _ in paces)
+    assert any(free for _, free in paces)
+
+
+def test_threads_beside_the_loop_pace_their_rows_and_the_engine_marks_its_device_waits(
+        tiny_llama, monkeypatch):
+    import sampler.output
+    from actors.engine import Engine
+    from actors.serving import PACE_ROWS
+
+    engine = Engine(tiny_llama, {"max_num_seqs": 4, "num_kv_blocks": 64, "max_model_len": 64,
+                                 "device": "cpu"})
+    seen = []
+    real_get = sampler.output.AsyncOutput.get
+    monkeypatch.setattr(sampler.output.AsyncOutput, "get",
+                        lambda self: seen.append(engine.host_free.is_set()) or real_get(self))
+    calls = []
+    built = engine.build_requests(
+        [(i, [5, 6, 7], SamplingParams(max_tokens=2)) for i in range(3 * PACE_ROWS + 5)],
+        pace=lambda: calls.append(1))
+    assert len(calls) == 3 and len(built) == 3 * PACE_ROWS + 5
+    engine.generate([(0, [5, 6, 7], SamplingParams(max_tokens=3))])
+    assert seen and all(seen)  # set during every wait for the device
+    assert not engine.host_free.is_set()  # and cleared after
