@@ -154,7 +154,7 @@ class GenerationActor:
             if prefetch.key == (task.shard_id, task.attempt):
                 self._prefetch = None  # used once (or failed: this call reads the shard)
         result = process_shard(task, partial(server.run, exclusive=task.deterministic,
-                                             stats=stats), prepared, server.pace)
+                                             stats=stats), prepared)
         result.engine = stats
         return result
 

@@ -17,13 +17,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from actors import profiling
 from actors.config import EngineConfig
 from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
-from actors.serving import PACE_ROWS
 from actors.sequence import Request, Sequence, SeqStatus
 from actors.setup import EngineParts, build_engine_parts
 from actors.sleep import SleepController
@@ -106,9 +105,6 @@ class Engine:
         self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
         self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
         self.counters = StepCounters()
-        # set while the stepping thread waits for the device: Python work of other threads
-        # (an engine server's next batch, a part file) costs the steps nothing then
-        self.host_free = threading.Event()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: Any, prompt: Any, params: Any = None, *,
@@ -121,21 +117,14 @@ class Engine:
             self._inbox.append(("add", request_id, prompt, params, bool(token_logprobs)))
 
     def build_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
-                       token_logprobs: bool = False,
-                       pace: Callable[[], Any] | None = None) -> BuiltRequests:
+                       token_logprobs: bool = False) -> BuiltRequests:
         """Validates and tokenizes ``[(request_id, prompt, params)]`` on the calling thread
         for a later ``add_requests`` (thread-safe; never raises for bad request data: those
         requests come back from ``step()`` as error outputs, as with ``add_request``). The
         stepping thread then only queues them: an engine server builds the next batch on the
-        thread that hands it in, while the engine still runs the previous one. ``pace``:
-        called every ``PACE_ROWS`` requests (``EngineServer.pace``: waits for a moment the
-        stepping thread does not need the interpreter)."""
-        items = []
-        for k, (rid, prompt, params) in enumerate(requests):
-            if pace is not None and k % PACE_ROWS == PACE_ROWS - 1:
-                pace()
-            items.append(self._build(rid, prompt, params, token_logprobs))
-        return BuiltRequests(items)
+        thread that hands it in, while the engine still runs the previous one."""
+        return BuiltRequests([self._build(rid, prompt, params, token_logprobs)
+                              for rid, prompt, params in requests])
 
     def add_requests(self, requests: Iterable[tuple[Any, Any, Any]] | BuiltRequests, *,
                      fresh_prefix_cache: bool = False) -> None:
@@ -286,9 +275,7 @@ class Engine:
         if timer is not None:
             timer.wait_begin()
         waited, cpu_waited = time.perf_counter(), time.thread_time()
-        self.host_free.set()
         host = step.output.get()
-        self.host_free.clear()
         counters = self.counters
         counters.device_wait_s += time.perf_counter() - waited
         counters.cpu_s -= time.thread_time() - cpu_waited  # a spinning wait is not host work

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from actors import jsonl
-from actors.serving import PACE_ROWS
 from sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -235,18 +234,14 @@ def _frozen(value: Any) -> Any:
 
 
 def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
-                     id_errors: dict[int, str] | None = None,
-                     pace: Callable[[], Any] | None = None
+                     id_errors: dict[int, str] | None = None
                      ) -> tuple[list[Request], dict[int, ErrorOutput]]:
-    """Requests for the rows that can run; an ``ErrorOutput`` for each row that cannot.
-    ``pace``: called every ``PACE_ROWS`` rows (``actors.serving.EngineServer.pace``)."""
+    """Requests for the rows that can run; an ``ErrorOutput`` for each row that cannot."""
     requests: list[Request] = []
     errors: dict[int, ErrorOutput] = {}
     cells = _Cells(table)
     params_of = _ParamsReader(task, cells)
     for i, row_id in enumerate(ids):
-        if pace is not None and i % PACE_ROWS == PACE_ROWS - 1:
-            pace()
         try:
             if id_errors and i in id_errors:
                 raise ValueError(id_errors[i])

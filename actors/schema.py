@@ -6,7 +6,7 @@ table, then every passthrough input column with its input type.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -167,15 +167,11 @@ _CONVERT = {  # per-value converters before pa.array
 }
 
 
-def generated_columns(outputs: Sequence[Any],
-                      pace: Callable[[], Any] | None = None) -> dict[str, pa.Array]:
+def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
     """The generated columns of ``outputs`` (objects with the schema's attributes, e.g.
-    ``GenerationOutput``), typed as in the schema. ``id`` is not included. ``pace``: called
-    before each column (``actors.serving.EngineServer.pace``)."""
+    ``GenerationOutput``), typed as in the schema. ``id`` is not included."""
     columns: dict[str, pa.Array] = {}
     for f in GENERATED_FIELDS:
-        if pace is not None:
-            pace()
         values = [getattr(o, f.name, None) for o in outputs]
         build = _COLUMN.get(f.name)
         if build is not None:
@@ -189,9 +185,9 @@ def generated_columns(outputs: Sequence[Any],
 
 
 def build_table(ids: pa.Array, outputs: Sequence[Any], passthrough: pa.Table | None,
-                schema: pa.Schema, pace: Callable[[], Any] | None = None) -> pa.Table:
+                schema: pa.Schema) -> pa.Table:
     """Assembles a part table: ``ids`` and ``passthrough`` hold one entry per output row."""
-    columns = {"id": ids, **generated_columns(outputs, pace)}
+    columns = {"id": ids, **generated_columns(outputs)}
     arrays = []
     for f in schema:
         if f.name in columns:

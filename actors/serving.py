@@ -33,13 +33,6 @@ logger = logging.getLogger(__name__)
 # default): each time the loop blocks on the device it could lose ~a decode step's worth of
 # time to a shard thread. 0.5 ms keeps the loop ahead of the GPU.
 SWITCH_INTERVAL_S = 0.0005
-# Even so the loop, when it is what holds the device back, loses about twice a shard thread's
-# Python time to it (each GIL hand-over costs it a switch interval). So a shard thread paces
-# itself: every PACE_ROWS rows (~1 ms of work) it calls ``EngineServer.pace``, which returns
-# once the loop waits for the device or has nothing to do, or after PACE_S at most (a loop
-# that never waits must not starve the next shard).
-PACE_ROWS = 32
-PACE_S = 0.002
 
 
 class EngineFailure(RuntimeError):
@@ -87,9 +80,6 @@ class EngineServer:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        # set while the loop needs no interpreter time: the engine's own event (set while it
-        # waits for the device), also set here while the loop has nothing to run
-        self._host_free: threading.Event = getattr(engine, "host_free", None) or threading.Event()
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._cond = threading.Condition()
@@ -118,7 +108,7 @@ class EngineServer:
             batch.requests = built
         elif build is not None:  # validated and tokenized here, not on the loop thread
             wall = time.time()
-            batch.requests = build(requests, pace=self.pace)
+            batch.requests = build(requests)
             if profiling.trace is not None:
                 profiling.trace.event("build", wall, time.time(), len(requests))
         with self._cond:
@@ -132,12 +122,6 @@ class EngineServer:
         if stats is not None:
             stats.update(batch.stats)
         return batch.outputs
-
-    def pace(self) -> None:
-        """Waits (at most ``PACE_S``) for the loop to need no interpreter time: while the
-        engine waits for the device or the loop is idle. Called by threads that do Python work
-        beside the loop (a shard's rows, requests and part file) between pieces of it."""
-        self._host_free.wait(PACE_S)
 
     def _admissible(self) -> list[_Batch]:
         """Pops the incoming batches that may join now, in arrival order (with the lock)."""
@@ -158,9 +142,7 @@ class EngineServer:
                 taken = self._admissible()
                 if taken or self._engine.has_unfinished_requests():
                     break
-                self._host_free.set()  # idle: a pacing thread may run freely
                 self._cond.wait()
-                self._host_free.clear()
         for batch in taken:
             batch.admitted, batch.admitted_wall = time.perf_counter(), time.time()
             batch.counters_at_admission = self._counters()

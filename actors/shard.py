@@ -124,31 +124,27 @@ class PreparedShard:
     built: Any = None
 
 
-def prepare_shard(task: ShardTask, pace: Callable[[], Any] | None = None) -> PreparedShard:
-    """Reads the shard's rows and makes its requests (bad rows become error outputs);
-    ``pace`` as in ``process_shard``."""
+def prepare_shard(task: ShardTask) -> PreparedShard:
+    """Reads the shard's rows and makes its requests (bad rows become error outputs)."""
     started = time.perf_counter()
     table = read_rows(task)
     ids, id_values, id_errors = row_ids(task, table)
-    requests, failed = prepare_requests(task, table, id_values, id_errors, pace)
+    requests, failed = prepare_requests(task, table, id_values, id_errors)
     return PreparedShard(table, ids, id_values, requests, failed,
                          time.perf_counter() - started)
 
 
-def process_shard(task: ShardTask, run: RunRequests, prepared: PreparedShard | None = None,
-                  pace: Callable[[], Any] | None = None) -> ShardResult:
+def process_shard(task: ShardTask, run: RunRequests,
+                  prepared: PreparedShard | None = None) -> ShardResult:
     """Reads the shard, runs its requests through ``run`` (blocking: requests -> finished
     outputs, e.g. ``EngineServer.run`` or ``Engine.generate``; given ``prepared.built`` too, as
     ``built=``, when they were built ahead) and commits the part file. ``prepared``: the shard
     already read (``ShardPrefetch``); its reading time is then reported as the ``prefetch``
-    phase, apart from this call's. ``pace``: called between pieces of the Python work of
-    reading the rows and building the part (``actors.serving.EngineServer.pace``, so that
-    the work takes interpreter time from an engine loop only when the loop has it to
-    spare)."""
+    phase, apart from this call's."""
     started, wall = time.perf_counter(), time.time()
     phases: dict[str, float] = {}
     if prepared is None:
-        prepared = prepare_shard(task, pace)
+        prepared = prepare_shard(task)
         _trace("prepare", wall, task.shard_id)
     else:
         phases["prefetch"] = prepared.seconds
@@ -167,7 +163,7 @@ def process_shard(task: ShardTask, run: RunRequests, prepared: PreparedShard | N
         rows.append((i, int(out.sample_index), out))
     rows.sort(key=lambda r: (r[0], r[1]))
     generated, wall = time.perf_counter(), time.time()
-    result = write_part(task, table, ids, rows, started, pace)
+    result = write_part(task, table, ids, rows, started)
     _trace("write", wall, task.shard_id)
     if profiling.trace is not None:
         profiling.trace.dump()
@@ -234,16 +230,13 @@ class ShardPrefetch:
 
 
 def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
-               rows: list[tuple[int, int, Any]], started: float,
-               pace: Callable[[], Any] | None = None) -> ShardResult:
-    """Builds the part table (rows: (input index, sample index, output)) and commits it;
-    ``pace`` as in ``process_shard``."""
+               rows: list[tuple[int, int, Any]], started: float) -> ShardResult:
+    """Builds the part table (rows: (input index, sample index, output)) and commits it."""
     positions = pa.array([r[0] for r in rows], type=pa.int64())
     outputs = [r[2] for r in rows]
     passthrough = table.select([f.name for f in task.schema
                                 if f.name not in OUTPUT_COLUMNS and f.name in table.column_names])
-    part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema,
-                       pace)
+    part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema)
     output_dir = task.output_dir.rstrip("/")
     temp, final = f"{output_dir}/{task.temp_name}", f"{output_dir}/{task.part_name}"
     try:

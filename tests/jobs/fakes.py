@@ -128,7 +128,7 @@ class FakeActor:
         server = server_for(self, self.engine)
         prepared = self._prefetch.take(task) if self._prefetch is not None else None
         return process_shard(task, lambda requests, **built: server.run(
-            requests, exclusive=task.deterministic, **built), prepared, server.pace)
+            requests, exclusive=task.deterministic, **built), prepared)
 
 
 class SlowFakeEngine(FakeEngine):

@@ -216,7 +216,7 @@ class _BuildingEngine(FakeEngine):
         super().__init__()
         self.built_on: list[str] = []
 
-    def build_requests(self, requests, pace=None):
+    def build_requests(self, requests):
         import threading
 
         self.built_on.append(threading.current_thread().name)
@@ -336,19 +336,3 @@ def test_a_trace_records_every_step_the_shard_phases_and_collections(tmp_path, t
     assert kinds == ["prepare", "build", "batch", "write"]
     assert [e[4] for e in data["events"] if e[0] == "gc" and e[1] == "MainThread"][-1] == 2
     assert gc.callbacks.count(trace._on_gc) == 0
-
-
-def test_reading_rows_and_building_a_part_pace_their_python_work(tmp_path):
-    from actors.serving import PACE_ROWS
-
-    rows = [{"id": i, "prompt": f"p {i}"} for i in range(2 * PACE_ROWS + 3)]
-    write_parquet(tmp_path / "in" / "a.parquet", rows)
-    [task] = _tasks(tmp_path, rows_per_shard=1000)
-    calls = []
-    plain = process_shard(task, EngineServer(FakeEngine()).run)
-    expected = pq.read_table(tmp_path / "out" / task.part_name)
-    paced = process_shard(task, EngineServer(FakeEngine()).run, pace=lambda: calls.append(1))
-    # two pauses for the rows, one before each generated column of the part
-    assert len(calls) == 2 + len(output_schema()) - 1
-    assert pq.read_table(tmp_path / "out" / task.part_name).equals(expected)
-    assert paced.rows == plain.rows
