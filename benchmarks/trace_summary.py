@@ -1,0 +1,77 @@
+"""Summarises ``RAYGEN_TRACE_DIR`` timelines (``actors.profiling.Trace``): per batch of each
+process, its decode steps (host, CPU and device-wait milliseconds a step), its prefill steps
+(host seconds in all), how many decode steps ran beside a shard thread's Python work (reading
+the next shard, building requests, writing a part) and the collector's time.
+
+    RAYGEN_TRACE_DIR=$OUT/trace python3 benchmarks/job_bench.py --max-actors 1 ...
+    python3 benchmarks/trace_summary.py $OUT/trace          # a table; --json for the records
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SHARD_WORK = ("prepare", "build", "write")
+
+
+def summarise(trace: dict, max_decode_tokens: int) -> list[dict]:
+    """One record per batch of ``trace`` (a loaded trace file). A step computing at most
+    ``max_decode_tokens`` tokens counts as a decode step (the engine's max_num_seqs)."""
+    steps, events = trace["steps"], trace["events"]
+    work = [e for e in events if e[0] in SHARD_WORK and e[1] != "shard-prefetch"]
+    out = []
+    for batch in (e for e in events if e[0] == "batch"):
+        start, end = batch[2], batch[3]
+        inside = [s for s in steps if start <= s[0] <= end + 1e-3 and s[4] > 0]
+        decode = [s for s in inside if s[4] <= max_decode_tokens]
+        prefill = [s for s in inside if s[4] > max_decode_tokens]
+        beside = [s for s in decode if any(w[2] < s[0] and w[3] > s[0] - s[1] for w in work)]
+        collections = [e for e in events if e[0] == "gc" and start <= e[2] <= end]
+
+        def mean_ms(values: list[float]) -> float:
+            return round(statistics.mean(values) * 1e3, 2) if values else 0.0
+
+        out.append({
+            "seconds": round(end - start, 3), "rows": batch[4],
+            "decode_steps": len(decode),
+            "decode_host_ms": mean_ms([s[1] - s[2] for s in decode]),
+            "decode_cpu_ms": mean_ms([s[3] for s in decode]),
+            "decode_wait_ms": mean_ms([s[2] for s in decode]),
+            "prefill_steps": len(prefill),
+            "prefill_host_s": round(sum(s[1] - s[2] for s in prefill), 3),
+            "decode_steps_beside_shard_work": len(beside),
+            "gc_ms": round(sum(e[3] - e[2] for e in collections) * 1e3, 1),
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory")
+    p.add_argument("--max-num-seqs", type=int, default=1024)
+    p.add_argument("--json", action="store_true", help="print the records as JSON")
+    args = p.parse_args(argv)
+    records = {}
+    for path in sorted(Path(args.directory).glob("trace-*.json")):
+        trace = json.loads(path.read_text())
+        records[path.name] = summarise(trace, args.max_num_seqs)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return records
+    print(f"{'file':18} {'batch s':>7} {'rows':>5} {'decode':>6} {'host ms':>7} {'cpu ms':>6} "
+          f"{'wait ms':>7} {'prefill':>7} {'host s':>6} {'beside':>6} {'gc ms':>6}")
+    for name, batches in records.items():
+        for b in batches:
+            print(f"{name:18} {b['seconds']:7.3f} {b['rows']:5d} {b['decode_steps']:6d} "
+                  f"{b['decode_host_ms']:7.2f} {b['decode_cpu_ms']:6.2f} {b['decode_wait_ms']:7.2f} "
+                  f"{b['prefill_steps']:7d} {b['prefill_host_s']:6.3f} "
+                  f"{b['decode_steps_beside_shard_work']:6d} {b['gc_ms']:6.1f}")
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
