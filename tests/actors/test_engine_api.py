@@ -233,7 +233,9 @@ def test_generation_actor(tiny_llama, monkeypatch):
 @pytest.mark.ray
 def test_generation_actor_under_ray(tiny_llama):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # another test module's session Ray is used as it is
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         remote = ray.remote(num_cpus=0)(GenerationActor).remote(
             tiny_llama, {"max_num_seqs": 2, "num_kv_blocks": 32, "max_model_len": 64})
@@ -242,8 +244,10 @@ def test_generation_actor_under_ray(tiny_llama):
                                                                   "seed": 3})])
         assert outs[0].output_token_ids == local[0].output_token_ids
         assert ray.get(remote.info.remote())["max_num_seqs"] == 2
+        ray.kill(remote)
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
 
 def test_warm_up_leaves_nothing_behind(tiny_llama):
