@@ -75,6 +75,7 @@ class Trace:
         self.events: list[tuple] = []
         self._gc_started: dict[int, float] = {}
         self._threading = threading
+        self._dump_lock = threading.Lock()  # the engine loop and shard threads both dump
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -107,11 +108,13 @@ class Trace:
     def dump(self) -> None:
         import json
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        temp = f"{self.path}.tmp"
-        with open(temp, "w") as f:
-            json.dump({"pid": os.getpid(), "steps": self.steps, "events": self.events}, f)
-        os.replace(temp, self.path)
+        with self._dump_lock:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            temp = f"{self.path}.tmp"
+            with open(temp, "w") as f:
+                json.dump({"pid": os.getpid(), "steps": list(self.steps),
+                           "events": list(self.events)}, f)
+            os.replace(temp, self.path)
 
 
 trace: Trace | None = Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
