@@ -16,7 +16,11 @@ with unprofiled timings.
 from __future__ import annotations
 
 import cProfile
+import gc
+import json
 import os
+import threading
+import time
 
 ENV = "RAYGEN_PROFILE_DIR"
 
@@ -58,37 +62,31 @@ class Trace:
     With ``RAYGEN_TRACE_DIR=<dir>``, ``trace`` (the process's one instance, None otherwise)
     records every engine step (``Engine.step``: its end on the wall clock, host seconds,
     seconds waiting for the device, the thread's CPU seconds, tokens scheduled), every
-    collection of the cyclic garbage collector (generation, seconds, thread) and the phases
-    of the shards (``event``); ``dump()`` writes them to ``<dir>/trace-<pid>.json``
-    (replaced each time, so a killed process keeps what it had written): the engine loop dumps
-    after each batch and a shard after writing its part. Each record costs a tuple append.
+    collection of the cyclic garbage collector (generation, seconds, thread) and spans of
+    work (:func:`span`: a shard's phases, an engine server's batches); ``dump()`` writes them
+    to ``<dir>/trace-<pid>.json`` (replaced each time, so a killed process keeps what it had
+    written): a shard dumps after writing its part. Each record costs a tuple append.
     ``benchmarks/job_bench.py`` passes the variable on to the bare engine and the actors.
 
         RAYGEN_TRACE_DIR=$OUT/trace python3 benchmarks/job_bench.py --max-actors 1 ..."""
 
     def __init__(self, directory: str) -> None:
-        import gc
-        import threading
-
         self.path = os.path.join(directory, f"trace-{os.getpid()}.json")
         self.steps: list[tuple] = []
         self.events: list[tuple] = []
         self._gc_started: dict[int, float] = {}
-        self._threading = threading
-        self._dump_lock = threading.Lock()  # the engine loop and shard threads both dump
+        self._dump_lock = threading.Lock()  # shard threads of one actor may dump at once
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        import time
-
-        ident = self._threading.get_ident()
+        ident = threading.get_ident()
         if phase == "start":
             self._gc_started[ident] = time.time()
             return
         started = self._gc_started.pop(ident, None)
         if started is not None:
-            self.events.append(("gc", self._threading.current_thread().name, started,
-                                time.time(), info.get("generation"), info.get("collected")))
+            self.events.append(("gc", threading.current_thread().name, started, time.time(),
+                                info.get("generation"), info.get("collected")))
 
     def step(self, end: float, host_s: float, wait_s: float, cpu_s: float,
              tokens: int) -> None:
@@ -96,18 +94,14 @@ class Trace:
 
     def event(self, kind: str, start: float, end: float, detail: object = None) -> None:
         """A span of work on the calling thread (wall-clock ``time.time()`` seconds)."""
-        self.events.append((kind, self._threading.current_thread().name, start, end, detail))
+        self.events.append((kind, threading.current_thread().name, start, end, detail))
 
     def close(self) -> None:
         """Stops recording collections (the steps and events recorded stay)."""
-        import gc
-
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
     def dump(self) -> None:
-        import json
-
         with self._dump_lock:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             temp = f"{self.path}.tmp"
@@ -115,6 +109,13 @@ class Trace:
                 json.dump({"pid": os.getpid(), "steps": list(self.steps),
                            "events": list(self.events)}, f)
             os.replace(temp, self.path)
+
+
+def span(kind: str, start: float, detail: object = None) -> None:
+    """Records a span from ``start`` (``time.time()``) to now on the process's trace, if
+    there is one (``RAYGEN_TRACE_DIR``)."""
+    if trace is not None:
+        trace.event(kind, start, time.time(), detail)
 
 
 trace: Trace | None = Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None

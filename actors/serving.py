@@ -109,8 +109,7 @@ class EngineServer:
         elif build is not None:  # validated and tokenized here, not on the loop thread
             wall = time.time()
             batch.requests = build(requests)
-            if profiling.trace is not None:
-                profiling.trace.event("build", wall, time.time(), len(requests))
+            profiling.span("build", wall, len(requests))
         with self._cond:
             if self._broken is not None:
                 raise EngineFailure(f"engine failed earlier: {self._broken!r}")
@@ -172,10 +171,7 @@ class EngineServer:
             for batch in touched:
                 if batch.complete():
                     profile.dump()
-                    if profiling.trace is not None:
-                        profiling.trace.event("batch", batch.admitted_wall, time.time(),
-                                              len(batch.expected))
-                        profiling.trace.dump()
+                    profiling.span("batch", batch.admitted_wall, len(batch.expected))
                     self._release(batch)
             if not self._engine.has_unfinished_requests():
                 self._release_stuck()

@@ -145,16 +145,18 @@ def process_shard(task: ShardTask, run: RunRequests,
     phases: dict[str, float] = {}
     if prepared is None:
         prepared = prepare_shard(task)
-        _trace("prepare", wall, task.shard_id)
+        profiling.span("prepare", wall, task.shard_id)
     else:
         phases["prefetch"] = prepared.seconds
     table, ids, id_values = prepared.table, prepared.ids, prepared.id_values
-    requests = prepared.requests
-    built_ahead = prepared.built is not None
     prepared_at = time.perf_counter()
     rows: list[tuple[int, int, Any]] = [(i, 0, out) for i, out in prepared.failed.items()]
-    outputs = ((run(requests, built=prepared.built) if built_ahead else run(requests))
-               if requests else ())
+    if not prepared.requests:
+        outputs = ()
+    elif prepared.built is not None:
+        outputs = run(prepared.requests, built=prepared.built)
+    else:
+        outputs = run(prepared.requests)
     for out in outputs:
         i = int(str(out.id).rsplit(".", 1)[1])
         error = getattr(out, "error", None)
@@ -164,19 +166,13 @@ def process_shard(task: ShardTask, run: RunRequests,
     rows.sort(key=lambda r: (r[0], r[1]))
     generated, wall = time.perf_counter(), time.time()
     result = write_part(task, table, ids, rows, started)
-    _trace("write", wall, task.shard_id)
+    profiling.span("write", wall, task.shard_id)
     if profiling.trace is not None:
         profiling.trace.dump()
     phases.update(prepare=prepared_at - started, generate=generated - prepared_at,
                   write=time.perf_counter() - generated)
     result.phases = phases
     return result
-
-
-def _trace(kind: str, start: float, shard_id: int) -> None:
-    """A span from ``start`` (``time.time()``) to now on ``RAYGEN_TRACE_DIR``'s timeline."""
-    if profiling.trace is not None:
-        profiling.trace.event(kind, start, time.time(), shard_id)
 
 
 class ShardPrefetch:
@@ -201,13 +197,13 @@ class ShardPrefetch:
         try:
             wall = time.time()
             prepared = prepare_shard(task)
-            _trace("prefetch", wall, task.shard_id)
+            profiling.span("prefetch", wall, task.shard_id)
             self._engine_known.wait()
             if getattr(self._engine, "build_requests", None) is not None and prepared.requests:
                 started, wall = time.perf_counter(), time.time()
                 prepared.built = self._engine.build_requests(prepared.requests)
                 prepared.seconds += time.perf_counter() - started
-                _trace("build", wall, task.shard_id)
+                profiling.span("build", wall, task.shard_id)
             self._result = prepared
         except BaseException as exc:  # noqa: BLE001 - the shard's own call meets it again
             self.error = exc

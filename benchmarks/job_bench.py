@@ -248,7 +248,7 @@ def bare_stage(args) -> None:
     from actors import profiling
 
     if profiling.trace is not None:  # RAYGEN_TRACE_DIR: the bare run's steps, as the actors'
-        profiling.trace.event("batch", time.time() - elapsed, time.time(), len(requests))
+        profiling.span("batch", time.time() - elapsed, len(requests))
         profiling.trace.dump()
     tokens = sum(o.num_output_tokens for o in outputs)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
