@@ -148,11 +148,8 @@ class GenerationActor:
 
         server = server_for(self, self.engine)
         stats: dict[str, float] = {}
-        prefetch, prepared = getattr(self, "_prefetch", None), None
-        if prefetch is not None:
-            prepared = prefetch.take(task)
-            if prefetch.key == (task.shard_id, task.attempt):
-                self._prefetch = None  # used once (or failed: this call reads the shard)
+        # the first shard, read while the model loaded (None for any other, or a second time)
+        prepared = self._prefetch.take(task) if self._prefetch is not None else None
         result = process_shard(task, partial(server.run, exclusive=task.deterministic,
                                              stats=stats), prepared)
         result.engine = stats

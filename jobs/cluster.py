@@ -51,16 +51,9 @@ def check_resources(num_actors: int, num_gpus: float) -> None:
 
 def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: float):
     """A function that starts one generation actor and returns its handle:
-    ``start(first_shard=None)``; the task is handed to the constructor when the class takes a
-    ``first_shard`` argument (``GenerationActor`` reads that shard while its model loads)."""
-    import inspect
-
+    ``start(first_shard=None)`` constructs ``actor_cls(model, engine_config,
+    first_shard=first_shard)`` (``GenerationActor`` reads that shard while its model loads)."""
     import ray
-
-    try:
-        takes_first = "first_shard" in inspect.signature(actor_cls).parameters
-    except (TypeError, ValueError):  # no signature to read: construct it the plain way
-        takes_first = False
 
     remote_cls = ray.remote(actor_cls).options(
         num_cpus=1,
@@ -71,8 +64,6 @@ def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: floa
     )
 
     def start(first_shard: Any = None) -> Any:
-        if first_shard is not None and takes_first:
-            return remote_cls.remote(model, engine_config, first_shard=first_shard)
-        return remote_cls.remote(model, engine_config)
+        return remote_cls.remote(model, engine_config, first_shard=first_shard)
 
     return start

@@ -56,7 +56,7 @@ def _first_line(exc: BaseException) -> str:
 class Dispatcher:
     """Runs shards on an actor pool until each is committed (or written as error rows)."""
 
-    def __init__(self, start_actor: Callable[[], Any], num_actors: int, make_task: MakeTask,
+    def __init__(self, start_actor: Callable[..., Any], num_actors: int, make_task: MakeTask,
                  commit: Commit, max_attempts: int) -> None:
         self._start_actor = start_actor
         self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
@@ -106,8 +106,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:
-        slot.handle = (self._start_actor(first_shard=first_shard) if first_shard is not None
-                       else self._start_actor())
+        slot.handle = self._start_actor(first_shard=first_shard)
         # the actor's startup report (when it has one) doubles as the readiness call
         ready = getattr(slot.handle, "startup_report", None) or slot.handle.__ray_ready__
         slot.ready = ready.remote()

@@ -89,7 +89,7 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
     """Runs a job to the end (or resumes it) and returns its :class:`JobResult`.
 
     ``actor_cls`` replaces ``actors.actor.GenerationActor`` (it is constructed the same way,
-    ``actor_cls(model, engine_options)``).
+    ``actor_cls(model, engine_options, first_shard=task or None)``).
     """
     started = time.perf_counter()
     config = load_config(config)

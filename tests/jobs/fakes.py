@@ -140,15 +140,15 @@ class SlowFakeEngine(FakeEngine):
 
 
 class SlowFakeActor(FakeActor):
-    def __init__(self, model: str, engine_config: Any = None) -> None:
-        super().__init__(model, engine_config)
+    def __init__(self, model: str, engine_config: Any = None, *, first_shard: Any = None) -> None:
+        super().__init__(model, engine_config, first_shard=first_shard)
         self.engine = SlowFakeEngine()
 
 
 class BrokenActor(FakeActor):
     """An actor whose constructor fails (a model that cannot load on the workers)."""
 
-    def __init__(self, model: str, engine_config: Any = None) -> None:
+    def __init__(self, model: str, engine_config: Any = None, *, first_shard: Any = None) -> None:
         raise RuntimeError("cannot load the model on this worker")
 
 
@@ -157,11 +157,12 @@ def dies_while_starting(token: str) -> type:
     file ``token`` (one death while starting per job)."""
 
     class DiesWhileStartingActor(FakeActor):
-        def __init__(self, model: str, engine_config: Any = None) -> None:
+        def __init__(self, model: str, engine_config: Any = None, *,
+                     first_shard: Any = None) -> None:
             try:
                 os.rename(token, f"{token}.claimed-by-{os.getpid()}")
             except FileNotFoundError:
-                super().__init__(model, engine_config)
+                super().__init__(model, engine_config, first_shard=first_shard)
             else:
                 os._exit(1)
 
