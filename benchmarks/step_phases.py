@@ -53,7 +53,6 @@ with warnings.catch_warnings(record=True) as caught:
     for _ in range(3):
         engine.step()
 torch.cuda.set_sync_debug_mode(0)
-import traceback
 count = collections.Counter((str(w.filename).split("/")[-1], w.lineno, str(w.message)[:90]) for w in caught)
 for k, v in count.most_common(20): print(v, k)
 while engine.has_unfinished_requests(): engine.step()
