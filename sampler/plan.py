@@ -8,7 +8,7 @@ exact for rows that do not need them, they only cost time).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -131,3 +131,34 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
         min_select_k=int(select.min()) if select.size else 0,
         max_select_k=int(select.max()) if select.size else 0,
     )
+
+
+class PlanCache:
+    """The last step's plan, reused while neither the state's requests nor the batch's slots
+    changed (a steady decode batch): only ``do_min_tokens`` moves with the positions, and it
+    is re-derived each step from the batch's min_tokens, which the cache keeps."""
+
+    __slots__ = ("_version", "_rows", "_plan", "_min_tokens")
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._rows: np.ndarray | None = None
+        self._plan: StepPlan | None = None
+        self._min_tokens: np.ndarray | None = None
+
+    def get(self, state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
+        """:func:`make_plan` of ``(state, rows_host)``, from the cache when it holds."""
+        plan = self._plan
+        if (plan is None or rows_host is None or state.version != self._version
+                or not np.array_equal(rows_host, self._rows)):
+            plan = make_plan(state, rows_host)
+            if rows_host is None:
+                self._plan = None
+                return plan
+            self._version, self._rows, self._plan = state.version, rows_host.copy(), plan
+            self._min_tokens = state.iparams_host[rows_host, MIN_TOKENS]
+            return plan
+        do_min_tokens = bool((self._min_tokens > state.pos_host[rows_host]).any())
+        if do_min_tokens != plan.do_min_tokens:
+            plan = self._plan = replace(plan, do_min_tokens=do_min_tokens)
+        return plan

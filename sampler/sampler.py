@@ -11,7 +11,7 @@ from sampler.backends import pipeline_fn, resolve_backend
 from sampler.ops.gumbel import NoisePrecision
 from sampler.output import SamplerOutput
 from sampler.params import SamplingParams
-from sampler.plan import make_plan
+from sampler.plan import PlanCache
 from sampler.state import SamplerState, to_device
 from sampler.validation import (
     as_bad_words,
@@ -75,6 +75,7 @@ class Sampler:
         self._run = pipeline_fn(self.backend, self.device)
         self.state = SamplerState(self.max_num_seqs, self.vocab_size, self.device,
                                   self.eos_token_ids)
+        self._plans = PlanCache()
 
     # ------------------------------------------------------------------ requests
     def _check_slot(self, slot: object) -> int:
@@ -184,7 +185,7 @@ class Sampler:
             raise ValueError(f"logits: must be on {self.device}, got {logits.device}")
         idx, rows_host = self._index(slots, logits.shape[0], device_slots)
         self.state.flush()
-        plan = make_plan(self.state, rows_host)
+        plan = self._plans.get(self.state, rows_host)
         if self.backend == "triton":  # recorded by the step's kernels (no torch ops)
             return self._run(logits, idx, self.state, plan, inplace=True,
                              precision=self.noise_precision, record_rows=(rows_host,))

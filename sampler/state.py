@@ -94,6 +94,8 @@ class SamplerState:
         self.max_num_seqs, self.vocab_size, self.device = max_num_seqs, vocab_size, device
         self.eos_token_ids = list(eos_token_ids)
         s = max_num_seqs
+        self.version = 0  # bumped by every add/remove: a step plan of an unchanged state
+        # and batch holds (sampler.plan.PlanCache)
         self.active = np.zeros(s, dtype=bool)
         self.pos_host = np.zeros(s, dtype=np.int64)  # lower bound of the device position
         self.has_penalties = np.zeros(s, dtype=bool)
@@ -163,6 +165,7 @@ class SamplerState:
         i[MODE] = MODE_CODES[params.logprobs_mode]
         i[HAS_ALLOWED] = params.allowed_token_ids is not None
         self._params_dirty = True
+        self.version += 1
 
         self.active[slot] = True
         self.pos_host[slot] = len(output)
@@ -215,6 +218,7 @@ class SamplerState:
     def remove_request(self, slot: int) -> None:
         """Frees ``slot``: host flags and parameters return to neutral values."""
         self.active[slot] = False
+        self.version += 1
         self.has_penalties[slot] = self.has_bad_words[slot] = self.has_bias[slot] = False
         self.has_seed[slot] = False
         self.fparams_host[slot] = _NEUTRAL_F
