@@ -28,7 +28,11 @@ One invocation:
 time in fresh processes (a new bare child, a new Ray with new actors), and compares their
 median runs: on a shared virtual machine the single-thread speed of a vCPU varies (a process's
 host time per step moves with the vCPU it lands on), and the engine's host work per step is
-close to the device's for this mix, so one run of each says little about the other.
+close to the device's for this mix, so one run of each says little about the other. The bare
+runs and the 1-actor runs alternate (each pair's ratio is reported too). Every CPU's
+single-thread speed is probed before and after (a fixed Python loop pinned to it in turn);
+``--cpus fastest:N`` (or a list) runs everything — the bare engine, Ray and its actors, which
+inherit the affinity — on those CPUs only, so both sides of the comparison get the same ones.
 
 Settings (and why). ``deterministic: true`` (the default a user gets; it is also what makes the
 killed run comparable to the clean one bit for bit) runs one shard at a time per actor, so
@@ -289,6 +293,61 @@ def run_bare(args, work: Path, config_path: Path, repeat: int = 0) -> dict:
     return {**json.loads(result.read_text()), "tokens_file": str(tokens)}
 
 
+# ----------------------------------------------------------------------------- CPUs
+def _spin(n: int = 60_000) -> float:
+    """Seconds of a fixed pure-Python loop (dict, list and str work, like the engine's host
+    side)."""
+    t0 = time.perf_counter()
+    d: dict[int, str] = {}
+    out = []
+    for i in range(n):
+        d[i & 1023] = str(i)
+        out.append(len(d[i & 511]))
+    return time.perf_counter() - t0
+
+
+def probe_cpus(cpus: list[int] | None = None, rounds: int = 3) -> dict[int, float]:
+    """Milliseconds of :func:`_spin` on each allowed CPU, this thread pinned to it in turn
+    (the fastest of ``rounds``); the affinity is restored afterwards. On a shared virtual
+    machine the vCPUs differ in single-thread speed, and the engine's host side runs at the
+    speed of the one its thread lands on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    out: dict[int, float] = {}
+    try:
+        for cpu in cpus if cpus is not None else allowed:
+            os.sched_setaffinity(0, {cpu})
+            out[cpu] = round(1e3 * min(_spin() for _ in range(rounds)), 2)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return out
+
+
+def choose_cpus(spec: str, speeds: dict[int, float]) -> list[int]:
+    """The CPUs of ``--cpus``: "fastest:N" (the N fastest of ``speeds``) or a list like
+    "0,2-3"."""
+    if spec.startswith("fastest:"):
+        n = int(spec.split(":", 1)[1])
+        if not 1 <= n <= len(speeds):
+            raise SystemExit(f"--cpus: fastest:N needs 1 <= N <= {len(speeds)}, got {n}")
+        return sorted(sorted(speeds, key=lambda c: (speeds[c], c))[:n])
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+def cpus_allowed(pid: int) -> str | None:
+    """A process's ``Cpus_allowed_list`` (None once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 # ----------------------------------------------------------------------------- jobs via CLI
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -350,6 +409,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     events: dict[str, float] = {}
     actor_events: list[tuple[float, str, str, int]] = []  # (time, actor, "ready"|"shard", id)
     lines: list[str] = []
+    affinity: dict[int, str | None] = {}  # actor pid: its CPUs
 
     def read() -> None:
         for line in proc.stdout:
@@ -359,6 +419,8 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
             if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
                 actor_events.append((now, m.group(1), "ready", -1))
+                for pid, _ in _actor_pids(proc.pid):
+                    affinity.setdefault(pid, cpus_allowed(pid))
             elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
                 actor_events.append((now, m.group(2), "shard", int(m.group(1))))
             elif "jobs.runner: job finished" in line:
@@ -397,7 +459,8 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             "generation_s": finished - first_ready, "actors_started": len(ready),
             "ready_skew_s": (max(ready) - min(ready)) if ready else 0.0,
             "actor_events": [(t - started, a, kind, i) for t, a, kind, i in actor_events],
-            "killed": killed, "log_tail": lines[-12:]}
+            "killed": killed, "actor_cpus": {str(k): v for k, v in affinity.items()},
+            "log_tail": lines[-12:]}
 
 
 def actor_windows(events: list[tuple[float, str, str, int]], shard_tokens) -> dict[str, dict]:
@@ -522,6 +585,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=1,
                    help="run the bare engine, the 1-actor and the 2-actor jobs this many times "
                         "each (fresh processes) and compare their median runs")
+    p.add_argument("--cpus", default="",
+                   help="run everything (bare engine, Ray, actors) on these CPUs: a list like "
+                        "'0,2-5' or 'fastest:N' (the N fastest by a single-thread probe); "
+                        "default: all")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--timeout", type=float, default=600, help="seconds per step")
     p.add_argument("--out", default=".", help="directory for job_bench.json")
@@ -538,6 +605,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args), "max_actors": max_actors}
+    speeds = probe_cpus()
+    report["cpu_probe_ms"] = {"before": speeds}
+    if args.cpus:
+        cpus = choose_cpus(args.cpus, speeds)
+        os.sched_setaffinity(0, cpus)  # every child (bare engine, Ray, actors) inherits it
+        report["cpus"] = cpus
+    log(f"CPU probe (ms a loop, by CPU): {speeds}; running on CPUs "
+        f"{sorted(os.sched_getaffinity(0))}")
     e2e_spec = getattr(load_e2e(), MODELS[args.model_config][0])
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="job_bench-") as tmp:
         work = Path(tmp)
@@ -555,10 +630,15 @@ def main(argv: list[str] | None = None) -> dict:
         def save() -> None:
             (out / "job_bench.json").write_text(json.dumps(report, indent=1, default=str))
 
-        def repeated(name: str, num_actors: int) -> tuple[dict, Any]:
-            """The job ``repeats`` times (fresh Ray, fresh actors each); the median run."""
-            runs = [job_step(args, work, name if r == 0 else f"{name}_r{r + 1}", num_actors,
-                             deterministic) for r in range(args.repeats)]
+        def run_job(name: str, num_actors: int, r: int) -> tuple[dict, Any]:
+            return job_step(args, work, name if r == 0 else f"{name}_r{r + 1}", num_actors,
+                            deterministic)
+
+        def repeated(name: str, num_actors: int, runs=None) -> tuple[dict, Any]:
+            """The job ``repeats`` times (fresh Ray, fresh actors each; or ``runs``, made
+            already); the median run."""
+            if runs is None:
+                runs = [run_job(name, num_actors, r) for r in range(args.repeats)]
             samples[name] = [run["output_tok_s"] for run, _ in runs]
             median, table = _median_run(runs)
             if args.repeats > 1:
@@ -570,7 +650,18 @@ def main(argv: list[str] | None = None) -> dict:
             return median, table
 
         log("building the model and running the bare engine (child process)")
-        bares = [run_bare(args, work, one, r) for r in range(args.repeats)]
+        # the bare engine and the 1-actor job alternate (bare, job, bare, job, ...), so a
+        # drift of the machine's speed over the runs touches both alike
+        bares, ones = [], []
+        for r in range(args.repeats):
+            bares.append(run_bare(args, work, one, r))
+            ones.append(run_job("1_actor", 1, r))
+            # each bare run against the job run right after it (saved as they come)
+            report["pair_overhead"] = [b["output_tok_s"] / run["output_tok_s"] - 1
+                                       for b, (run, _) in zip(bares, ones)]
+            report["pairs_tok_s"] = [(b["output_tok_s"], run["output_tok_s"])
+                                     for b, (run, _) in zip(bares, ones)]
+            save()
         samples["bare"] = [b["output_tok_s"] for b in bares]
         bare = report["bare_engine"] = _median_run([(b, None) for b in bares])[0]
         if args.repeats > 1:
@@ -578,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   "busy_s", "device_wait_s", "cpu_s")}
                                for b in bares]
         save()
-        jobs["1_actor"], t1 = repeated("1_actor", 1)
+        jobs["1_actor"], t1 = repeated("1_actor", 1, ones)
         jobs["1_actor"]["token_ids_equal_bare"] = token_match(t1, bare["tokens_file"]) \
             if t1 is not None else None
         jobs["1_actor"]["overhead_vs_bare"] = bare["output_tok_s"] / jobs["1_actor"][
@@ -608,6 +699,7 @@ def main(argv: list[str] | None = None) -> dict:
                         t2.column("output_token_ids").equals(tk.column("output_token_ids")))
                     jobs["2_actors_kill"]["checks"]["same_rows_as_clean_2_actors"] = same
                 save()
+    report["cpu_probe_ms"]["after"] = probe_cpus(sorted(report["cpu_probe_ms"]["before"]))
     report["all_checks_passed"] = all(all(j["checks"].values()) for j in jobs.values())
     save()
     print_summary(report)
@@ -638,6 +730,13 @@ def print_summary(report: dict) -> None:
         print("  rows above are the median runs; every run's out tok/s: " + "; ".join(
             f"{name} " + ", ".join(f"{v:,.0f}" for v in values)
             for name, values in samples.items()))
+    pairs = report.get("pair_overhead", [])
+    if len(pairs) > 1:
+        print("  1 actor vs the bare run just before it: " + ", ".join(
+            f"{v:+.1%}" for v in pairs) + f" (median {sorted(pairs)[(len(pairs) - 1) // 2]:+.1%})")
+    if report.get("cpus"):
+        print(f"  on CPUs {report['cpus']} (probe, ms a loop: " + ", ".join(
+            f"{c}: {report['cpu_probe_ms']['before'][c]}" for c in report["cpus"]) + ")")
     two = jobs.get("2_actors", {})
     if two.get("sum_of_actors_ratio_vs_1_actor") is not None:
         print(f"  2 actors, each from its own ready to its last commit: "

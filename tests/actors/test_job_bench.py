@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,14 @@ def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_pat
     assert bare["output_tok_s"] == min(samples["bare"])
     assert jobs["1_actor"]["output_tok_s"] == min(samples["1_actor"])
     assert jobs["1_actor"]["checks"]["every_repeat"] and len(jobs["2_actors"]["repeats"]) == 2
+    # the bare and 1-actor runs alternate; each pair's ratio, and the CPUs probed before/after
+    pairs = report["pairs_tok_s"]
+    assert sorted(b for b, _ in pairs) == sorted(samples["bare"])
+    assert [j for _, j in pairs] == samples["1_actor"]
+    assert report["pair_overhead"] == [b / j - 1 for b, j in pairs]
+    probe = report["cpu_probe_ms"]
+    assert set(probe["before"]) == set(probe["after"]) == set(os.sched_getaffinity(0))
+    assert all(v > 0 for v in probe["before"].values())
     for name, job in jobs.items():  # every shard is counted once, by the actor that wrote it
         shards = sorted(i for a in job["per_actor"].values() for i in a["shards"])
         assert shards == [0, 1, 2, 3] or name == "2_actors_kill", (name, job["per_actor"])
@@ -82,3 +91,19 @@ def test_actor_windows_count_each_actor_from_its_own_start(job_bench):
                                   "last_commit_s": 4.0, "window_s": 3.0, "output_tok_s": 100.0}
     assert windows["actor-1"]["shards"] == [3] and windows["actor-1"]["window_s"] == 2.0
     assert windows["actor-1"]["output_tok_s"] == 200.0
+
+
+def test_cpu_choice_takes_the_fastest_or_a_list(job_bench):
+    speeds = {0: 9.0, 1: 21.0, 2: 8.5, 3: 9.0, 4: 30.0}
+    assert job_bench.choose_cpus("fastest:2", speeds) == [0, 2]  # a tie goes to the lower id
+    assert job_bench.choose_cpus("fastest:5", speeds) == [0, 1, 2, 3, 4]
+    assert job_bench.choose_cpus("0,2-3", speeds) == [0, 2, 3]
+    with pytest.raises(SystemExit, match="fastest:N"):
+        job_bench.choose_cpus("fastest:6", speeds)
+
+
+def test_the_probe_pins_each_cpu_and_restores_the_affinity(job_bench):
+    allowed = os.sched_getaffinity(0)
+    speeds = job_bench.probe_cpus(rounds=1)
+    assert set(speeds) == allowed and all(v > 0 for v in speeds.values())
+    assert os.sched_getaffinity(0) == allowed
