@@ -146,6 +146,7 @@ class SamplerState:
         bad_words: list[list[int]],
     ) -> None:
         """Writes a (validated) request into ``slot``; device tables follow at the flush."""
+        self.version += 1
         f = self.fparams_host[slot]
         i = self.iparams_host[slot]
         f[:] = _NEUTRAL_F
@@ -165,7 +166,6 @@ class SamplerState:
         i[MODE] = MODE_CODES[params.logprobs_mode]
         i[HAS_ALLOWED] = params.allowed_token_ids is not None
         self._params_dirty = True
-        self.version += 1
 
         self.active[slot] = True
         self.pos_host[slot] = len(output)
