@@ -657,10 +657,9 @@ def main(argv: list[str] | None = None) -> dict:
             bares.append(run_bare(args, work, one, r))
             ones.append(run_job("1_actor", 1, r))
             # each bare run against the job run right after it (saved as they come)
-            report["pair_overhead"] = [b["output_tok_s"] / run["output_tok_s"] - 1
-                                       for b, (run, _) in zip(bares, ones)]
-            report["pairs_tok_s"] = [(b["output_tok_s"], run["output_tok_s"])
-                                     for b, (run, _) in zip(bares, ones)]
+            pair = (bares[-1]["output_tok_s"], ones[-1][0]["output_tok_s"])
+            report.setdefault("pairs_tok_s", []).append(pair)
+            report.setdefault("pair_overhead", []).append(pair[0] / pair[1] - 1)
             save()
         samples["bare"] = [b["output_tok_s"] for b in bares]
         bare = report["bare_engine"] = _median_run([(b, None) for b in bares])[0]

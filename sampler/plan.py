@@ -135,7 +135,8 @@ def make_plan(state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
 
 class PlanCache:
     """The last step's plan, reused while neither the state's requests nor the batch's slots
-    changed (a steady decode batch): only ``do_min_tokens`` moves with the positions, and it
+    changed (a steady decode batch). Only ``do_min_tokens`` moves with the positions; they
+    only grow while the requests stay, so once it is off it stays off, and while it is on it
     is re-derived each step from the batch's min_tokens, which the cache keeps."""
 
     __slots__ = ("_version", "_rows", "_plan", "_min_tokens")
@@ -148,17 +149,14 @@ class PlanCache:
 
     def get(self, state: SamplerState, rows_host: np.ndarray | None) -> StepPlan:
         """:func:`make_plan` of ``(state, rows_host)``, from the cache when it holds."""
+        if rows_host is None:  # the slots are known on the device only
+            return make_plan(state, rows_host)
         plan = self._plan
-        if (plan is None or rows_host is None or state.version != self._version
+        if (plan is None or state.version != self._version
                 or not np.array_equal(rows_host, self._rows)):
             plan = make_plan(state, rows_host)
-            if rows_host is None:
-                self._plan = None
-                return plan
             self._version, self._rows, self._plan = state.version, rows_host.copy(), plan
             self._min_tokens = state.iparams_host[rows_host, MIN_TOKENS]
-            return plan
-        do_min_tokens = bool((self._min_tokens > state.pos_host[rows_host]).any())
-        if do_min_tokens != plan.do_min_tokens:
-            plan = self._plan = replace(plan, do_min_tokens=do_min_tokens)
+        elif plan.do_min_tokens and not (self._min_tokens > state.pos_host[rows_host]).any():
+            plan = self._plan = replace(plan, do_min_tokens=False)
         return plan
