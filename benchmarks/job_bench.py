@@ -24,6 +24,11 @@ One invocation:
    run, retries counted from the manifest;
 5. writes ``--out/job_bench.json`` and prints a summary; exits 1 if a check failed.
 
+``--gpus-per-actor 0.5`` gives every actor half a GPU, so a 1-GPU machine runs the 2-actor and
+kill steps too: the two actors share one device, so that ratio says nothing about scaling, but
+the fault path (an actor killed mid-job, its shards retried on the replacement) runs on the
+GPU engine, and the two actors' ready times show the startup skew.
+
 ``--repeats N`` runs the bare engine, the 1-actor job and the 2-actor job N times each, every
 time in fresh processes (a new bare child, a new Ray with new actors), and compares their
 median runs: on a shared virtual machine the single-thread speed of a vCPU varies (a process's
@@ -53,6 +58,7 @@ through the inherited ``PYTHONPATH`` (the repo root is prepended for the job).
     source .carry/activate.sh; export PYTHONPATH=$PWD:$PYTHONPATH
     python3 benchmarks/job_bench.py --out $OUT                       # 1 or 2 GPUs
     python3 benchmarks/job_bench.py --out $OUT --repeats 3 --no-overlap-run  # medians
+    python3 benchmarks/job_bench.py --out $OUT --gpus-per-actor 0.5  # 1 GPU, 2 actors on it
     python benchmarks/job_bench.py --model-config tiny --device cpu --rows 64 \\
         --output-len 32 --rows-per-shard 16 --max-actors 2 --out /tmp/jb    # CPU smoke run
 """
@@ -171,7 +177,7 @@ def job_config(args, work: Path, output: Path, num_actors: int, deterministic: b
         "sampling_params": {"max_tokens": args.output_len, "ignore_eos": True,
                             "detokenize": False},
         "seed": JOB_SEED, "num_actors": num_actors,
-        "num_gpus_per_actor": 0 if args.device == "cpu" else 1,
+        "num_gpus_per_actor": 0 if args.device == "cpu" else args.gpus_per_actor,
         "rows_per_shard": args.rows_per_shard, "max_shard_attempts": 3,
         "deterministic": deterministic, "engine": engine,
     }
@@ -557,6 +563,12 @@ def token_match(table, bare_tokens: str) -> float:
     return same / max(table.num_rows, 1)
 
 
+def actors_that_fit(gpus: int, gpus_per_actor: float) -> int:
+    """How many actors the bench runs when ``--max-actors`` is not given: 2 when the visible
+    GPUs hold two actors of ``gpus_per_actor`` each, else 1."""
+    return min(2, max(int(gpus / gpus_per_actor + 1e-9), 1))
+
+
 def visible_gpus(device: str) -> int:
     if device == "cpu":
         return 0
@@ -589,6 +601,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="run everything (bare engine, Ray, actors) on these CPUs: a list like "
                         "'0,2-5' or 'fastest:N' (the N fastest by a single-thread probe); "
                         "default: all")
+    p.add_argument("--gpus-per-actor", type=float, default=1.0,
+                   help="num_gpus_per_actor of the jobs; 0.5 puts 2 actors on one GPU (the "
+                        "2-actor and kill runs on a 1-GPU machine: a fault test, no scaling)")
     p.add_argument("--skip-kill", action="store_true")
     p.add_argument("--timeout", type=float, default=600, help="seconds per step")
     p.add_argument("--out", default=".", help="directory for job_bench.json")
@@ -600,7 +615,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.stage == "bare":
         bare_stage(args)
         return {}
-    max_actors = args.max_actors or min(2, max(visible_gpus(args.device), 1))
+    if not 0 < args.gpus_per_actor <= 1:
+        p.error(f"--gpus-per-actor: must be in (0, 1], got {args.gpus_per_actor}")
+    max_actors = args.max_actors or actors_that_fit(visible_gpus(args.device),
+                                                    args.gpus_per_actor)
     deterministic = args.deterministic == "true"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,3 +107,20 @@ def test_the_probe_pins_each_cpu_and_restores_the_affinity(job_bench):
     speeds = job_bench.probe_cpus(rounds=1)
     assert set(speeds) == allowed and all(v > 0 for v in speeds.values())
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_half_a_gpu_per_actor_runs_two_actors_on_one_gpu(job_bench, tmp_path):
+    assert [job_bench.actors_that_fit(g, 1.0) for g in (0, 1, 2, 8)] == [1, 1, 2, 2]
+    assert [job_bench.actors_that_fit(g, 0.5) for g in (0, 1, 2)] == [1, 2, 2]
+    assert job_bench.actors_that_fit(1, 0.4) == 2 and job_bench.actors_that_fit(1, 0.6) == 1
+    args = type("Args", (), {"model_config": "tiny", "prompt_len": 8, "output_len": 8,
+                             "max_num_seqs": 0, "max_batched_tokens": 0, "device": "auto",
+                             "gpus_per_actor": 0.5, "rows_per_shard": 16})()
+    config = job_bench.job_config(args, tmp_path, tmp_path / "out", 2, True)
+    assert config["num_gpus_per_actor"] == 0.5 and config["num_actors"] == 2
+    args.device = "cpu"
+    assert job_bench.job_config(args, tmp_path, tmp_path / "out", 2, True)[
+        "num_gpus_per_actor"] == 0
+    for bad in ("0", "1.5", "-1"):
+        with pytest.raises(SystemExit):
+            job_bench.main(["--gpus-per-actor", bad, "--out", str(tmp_path)])
