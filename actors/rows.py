@@ -20,7 +20,7 @@ from actors import jsonl
 from sampler.params import SamplingParams
 
 if TYPE_CHECKING:
-    from actors.shard import ShardTask
+    from actors.task import ShardTask
 
 Request = tuple[str, Any, SamplingParams]
 

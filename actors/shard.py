@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from actors import profiling
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
 from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
+from actors.task import ShardTask
 
 __all__ = ["ErrorOutput", "PartWriteError", "PreparedShard", "ShardPrefetch", "ShardResult",
            "ShardTask", "prepare_requests", "prepare_shard", "process_shard", "read_rows",
@@ -31,36 +31,6 @@ RunRequests = Callable[[Sequence[Request]], Sequence[Any]]
 
 class PartWriteError(OSError):
     """The part file could not be written or renamed (the output storage failed)."""
-
-
-@dataclass(slots=True)
-class ShardTask:
-    """Everything an actor needs to process one shard (plain and picklable)."""
-
-    shard_id: int
-    attempt: int
-    input_fs: pafs.FileSystem
-    input_path: str
-    input_format: str  # "parquet" | "ipc" | "json"
-    row_start: int
-    row_stop: int
-    columns: dict[str, str]  # role (id, prompt, messages, token_ids, params) -> column name
-    default_params: dict[str, Any]
-    seed: int
-    output_fs: pafs.FileSystem
-    output_dir: str
-    schema: pa.Schema
-    id_offset: int | None = None  # global index of the file's first row, when ids are generated
-    deterministic: bool = True  # run alone on an idle engine: rows depend on the shard only
-    max_num_seqs: int | None = None  # the engine's: a row asking for more samples fails
-
-    @property
-    def part_name(self) -> str:
-        return f"part-{self.shard_id:05d}.parquet"
-
-    @property
-    def temp_name(self) -> str:
-        return f".part-{self.shard_id:05d}-{self.attempt}.parquet.tmp"
 
 
 @dataclass(slots=True)

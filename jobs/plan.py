@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from actors.shard import ShardTask
+from actors.task import ShardTask
 from jobs.config import JobConfig
 from jobs.inputs import InputSpec
 from jobs.manifest import encode_schema

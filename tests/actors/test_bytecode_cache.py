@@ -71,3 +71,32 @@ def test_later_imports_are_compiled_into_the_cache_and_read_from_it(tmp_path):
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, check=True).stdout.split()
     assert second[1] == "42" and pyc[0].stat().st_mtime_ns == stamp  # read, not rewritten
+
+
+def test_an_actors_constructor_arguments_unpickle_without_the_engine_modules(tmp_path):
+    """Ray unpickles an actor's arguments (its first ``ShardTask``) before the constructor
+    enables the bytecode cache: unpickling them, and importing the actor's module, must not
+    import torch, transformers or the engine, which would then be compiled from source."""
+    import pickle
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from actors.config import EngineConfig
+    from actors.shard import ShardTask
+
+    fs = pafs.LocalFileSystem()
+    task = ShardTask(3, 1, fs, str(tmp_path / "in.parquet"), "parquet", 0, 8,
+                     {"id": "id", "token_ids": "prompt_token_ids"}, {"max_tokens": 4}, 7, fs,
+                     str(tmp_path / "out"), pa.schema([("id", pa.string())]))
+    args = pickle.dumps(("/models/m", EngineConfig(max_num_seqs=8), task))
+    code = ("import pickle, sys; import actors.actor; "
+            f"model, config, task = pickle.loads(bytes.fromhex({args.hex()!r})); "
+            "print(type(task).__module__, task.part_name, task.schema.names, "
+            "[m for m in ('torch', 'transformers', 'sampler', 'actors.engine', 'actors.shard') "
+            "if m in sys.modules])")
+    env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2]),
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().split(maxsplit=2)
+    assert out == ["actors.task", "part-00003.parquet", "['id'] []"]
