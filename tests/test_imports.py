@@ -1,4 +1,5 @@
-"""`import toolkit` and `import sampler` stay light: no ray, transformers or flashinfer."""
+"""`import toolkit` and `import sampler` stay light: no ray, transformers or flashinfer; a job's
+driver and the unpickling of an actor's task load no torch either."""
 
 import json
 import subprocess
@@ -19,3 +20,33 @@ def test_import_loads_no_heavy_module(module):
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert module in loaded
     assert not loaded & set(HEAVY), f"import {module} loaded {sorted(loaded & set(HEAVY))}"
+
+
+@pytest.mark.parametrize("statement", [
+    "import sampler.params",  # SamplingParams: what the driver validates params with
+    "import jobs.runner, jobs.dispatch, jobs.plan, jobs.config",  # the driver of `raygen run`
+    "import actors.actor, actors.task",  # what a Ray worker imports before the constructor
+])
+def test_the_driver_side_loads_no_torch(statement):
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = {m.split(".")[0] for m in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert not loaded & {"torch", "transformers", "triton", "flashinfer"}, statement
+
+
+def test_the_sampler_names_import_on_first_use():
+    import importlib
+
+    import sampler
+
+    assert set(sampler.__all__) <= set(dir(sampler))
+    for name in sampler.__all__:  # each name is the object its submodule defines
+        home = importlib.import_module(sampler._EXPORTS[name])
+        assert getattr(sampler, name) is getattr(home, name), name
+    from sampler import Sampler, SamplingParams
+    from sampler.params import SamplingParams as defined
+    from sampler.sampler import Sampler as stateful
+
+    assert Sampler is stateful and SamplingParams is defined
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        sampler.Nope  # noqa: B018
