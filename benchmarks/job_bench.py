@@ -355,9 +355,10 @@ def cpus_allowed(pid: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------- jobs via CLI
-def child_env() -> dict[str, str]:
+def child_env(repo: Path = REPO) -> dict[str, str]:
+    """The environment of a ``raygen run`` child: ``repo``'s modules first on the path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo)] + [p for p in env.get("PYTHONPATH", "")
                                                       .split(os.pathsep) if p])
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -404,17 +405,19 @@ def _committed(output: Path) -> dict:
 
 
 def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
-                kill: bool = False) -> dict:
-    """Runs ``raygen run config`` (as ``python -m toolkit.cli``), streaming its log with
-    timestamps; ``kill``: SIGKILL one actor process once the first shard is committed."""
+                kill: bool = False, repo: Path = REPO, keep_log: bool = False) -> dict:
+    """Runs ``raygen run config`` (as ``python -m toolkit.cli``, with ``repo``'s code),
+    streaming its log with timestamps; ``kill``: SIGKILL one actor process once the first
+    shard is committed; ``keep_log``: return every line as ``(seconds, line)`` in ``log``."""
     log(f"{name}: raygen run {config_path.name}")
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "run", str(config_path)],
-                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            cwd=repo, env=child_env(repo), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     events: dict[str, float] = {}
     actor_events: list[tuple[float, str, str, int]] = []  # (time, actor, "ready"|"shard", id)
     lines: list[str] = []
+    stamped: list[tuple[float, str]] = []
     affinity: dict[int, str | None] = {}  # actor pid: its CPUs
 
     def read() -> None:
@@ -422,6 +425,8 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             now = time.time()
             line = ANSI.sub("", line)
             lines.append(line.rstrip("\n"))
+            if keep_log:
+                stamped.append((now - started, lines[-1]))
             print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
             if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
                 actor_events.append((now, m.group(1), "ready", -1))
@@ -466,7 +471,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             "ready_skew_s": (max(ready) - min(ready)) if ready else 0.0,
             "actor_events": [(t - started, a, kind, i) for t, a, kind, i in actor_events],
             "killed": killed, "actor_cpus": {str(k): v for k, v in affinity.items()},
-            "log_tail": lines[-12:]}
+            "log_tail": lines[-12:], **({"log": stamped} if keep_log else {})}
 
 
 def actor_windows(events: list[tuple[float, str, str, int]], shard_tokens) -> dict[str, dict]:
