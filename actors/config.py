@@ -146,6 +146,17 @@ class EngineConfig:
         return cls(**data)
 
     @classmethod
+    def check(cls, data: Mapping[str, Any] | None) -> None:
+        """Validates a mapping as :meth:`from_dict` does (``ValueError`` naming the option)
+        without resolving ``device: auto``: a job driver or a rollout pool checks the options
+        it ships to the actors, where the device is resolved; resolving it here would import
+        torch and probe CUDA in a process that runs no engine."""
+        data = dict(data or {})
+        if data.get("device", "auto") == "auto":
+            data["device"] = "cpu"  # "auto" is valid wherever the engine runs
+        cls.from_dict(data)
+
+    @classmethod
     def coerce(cls, value: EngineConfig | Mapping[str, Any] | None) -> EngineConfig:
         """Accepts an EngineConfig, a mapping of its fields, or None (all defaults)."""
         if isinstance(value, EngineConfig):

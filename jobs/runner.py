@@ -37,7 +37,7 @@ def engine_options(config: JobConfig) -> dict[str, Any]:
     if config.num_gpus_per_actor == 0:
         values.setdefault("device", "cpu")
     try:
-        EngineConfig.from_dict(values)
+        EngineConfig.check(values)  # resolved on the actors, not here
     except (TypeError, ValueError) as exc:
         raise ValueError(f"config.{exc}") from None
     return values

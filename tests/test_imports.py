@@ -26,6 +26,10 @@ def test_import_loads_no_heavy_module(module):
     "import sampler.params",  # SamplingParams: what the driver validates params with
     "import jobs.runner, jobs.dispatch, jobs.plan, jobs.config",  # the driver of `raygen run`
     "import actors.actor, actors.task",  # what a Ray worker imports before the constructor
+    # the driver checks the engine options it ships (device "auto" is resolved on the actor)
+    "from jobs.config import JobConfig; from jobs.runner import engine_options; "
+    "engine_options(JobConfig(model='m', input='i.parquet', output='o', "
+    "engine={'max_num_seqs': 8}))",
 ])
 def test_the_driver_side_loads_no_torch(statement):
     code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"

@@ -57,7 +57,7 @@ class RolloutPool:
             else dict(engine or {})
         if num_gpus_per_actor == 0:
             options.setdefault("device", "cpu")
-        EngineConfig.from_dict(options)  # fail here, naming the option; resolve on the actor
+        EngineConfig.check(options)  # fail here, naming the option; resolve on the actor
         self.model = str(model)
         self.logprob_columns = canonical_columns(logprob_columns)
         connect(ray_address)

@@ -99,6 +99,22 @@ def test_engine_config_rejects_unknown_and_bad_values():
     assert EngineConfig.coerce(cfg) is cfg
 
 
+def test_checking_options_names_the_bad_one_and_resolves_nothing():
+    """What a job driver or rollout pool runs on the options it ships: the same errors as
+    ``from_dict``, the mapping untouched (``device: auto`` is resolved on the actor)."""
+    for bad, match in (({"max_seqs": 4}, "unknown option.*'max_seqs'"),
+                       ({"block_size": 0}, "engine.block_size"),
+                       ({"dtype": "fp8", "device": "auto"}, "engine.dtype"),
+                       ({"device": "tpu"}, "engine.device")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.check(bad)
+    options = {"device": "auto", "dtype": "auto", "max_num_seqs": 8}
+    assert EngineConfig.check(options) is None
+    assert options == {"device": "auto", "dtype": "auto", "max_num_seqs": 8}
+    EngineConfig.check({"device": "cuda:1", "dtype": "float16"})
+    EngineConfig.check(None)
+
+
 def test_missing_model_fails_with_the_loader_error(tmp_path):
     with pytest.raises(OSError):
         Engine(str(tmp_path / "nope"))
