@@ -287,6 +287,7 @@ class Engine:
         extra = step.token_logprobs.get().token_ids.tolist() \
             if step.token_logprobs is not None else None
         outputs, pending_pos, finished = self.outputs, step.pending_pos, SeqStatus.FINISHED
+        append_token, max_len = outputs.append_token, outputs.max_model_len
         lp_seqs, lp_rows, done = [], [], []
         for row, seq in enumerate(step.sample_seqs):
             if seq.status is finished:
@@ -296,7 +297,15 @@ class Engine:
             if seq.logprobs is not None:
                 lp_seqs.append(seq)
                 lp_rows.append(row)
-            if outputs.append_token(seq, tokens[row], pending_pos[row]):
+            token, pos = tokens[row], pending_pos[row]
+            end = pos + 1
+            if (seq.detok is None and end < seq.max_num_tokens and end < max_len
+                    and token not in seq.request.stop_token_ids):
+                # what append_token does for a token that cannot end the sequence: no text
+                # to check for stop strings, not a stop token, not the last allowed one
+                seq.token_ids[pos] = token
+                seq.num_pending -= 1
+            elif append_token(seq, token, pos):
                 done.append(seq)
         if lp_seqs:
             outputs.record_logprobs(lp_seqs, lp_rows, values, ranks, host.topk_ids,
