@@ -52,7 +52,6 @@ class SchedulerOutput:
     released_slots: list[int] = field(default_factory=list)  # sampler slots freed by preemption
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src page, dst page)
-    scheduled_ids: set[int] = field(default_factory=set)  # seq_id of every sequence in the step
     # sequences whose slot or block table may have changed since they were last scheduled
     # (admitted, forked, given pages); every other chunk of the step is a decode that kept both
     table_seqs: list[Sequence] = field(default_factory=list)
@@ -63,6 +62,12 @@ class SchedulerOutput:
         return not self.seqs
 
     @property
+    def scheduled_ids(self) -> set[int]:
+        """``seq_id`` of every sequence in the step: the chunks' and the samples forked from
+        them (built when asked, which only preemption does)."""
+        return {s.seq_id for s in self.seqs} | {s.seq_id for s in self.sample_seqs}
+
+    @property
     def chunks(self) -> list[ScheduledChunk]:
         return [ScheduledChunk(*c) for c in zip(self.seqs, self.starts, self.num_new)]
 
@@ -71,7 +76,6 @@ class SchedulerOutput:
         self.seqs.append(seq)
         self.starts.append(start)
         self.num_new.append(num_new)
-        self.scheduled_ids.add(seq.seq_id)
         self.num_tokens += num_new
         return len(self.seqs) - 1
 
@@ -166,7 +170,6 @@ class Scheduler:
         running = SeqStatus.RUNNING
         prefix_caching = bm.enable_prefix_caching
         seqs_out, starts, nums = out.seqs, out.starts, out.num_new
-        scheduled = out.scheduled_ids
         sample_seqs, sample_chunks = out.sample_seqs, out.sample_chunks
         split = prefills is not None
         added = 0  # tokens of the inlined decode chunks (added to out.num_tokens at the end)
@@ -195,7 +198,6 @@ class Scheduler:
                 seqs_out.append(seq)
                 starts.append(start)
                 nums.append(num_new)
-                scheduled.add(seq.seq_id)
                 added += num_new
                 budget -= num_new
                 if after == num_tokens:
@@ -308,7 +310,6 @@ class Scheduler:
             child.slot = parent.reserved_slots.pop()
             out.table_seqs.append(child)
             self.running.append(child)
-            out.scheduled_ids.add(child.seq_id)
             out.admitted.append(child)
             out.sample_seqs.append(child)
             out.sample_chunks.append(chunk_idx)

@@ -133,9 +133,14 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     assert sorted(out.copies) == sorted((parent.block_table[2], p) for p in partial)
     assert len({parent.slot, *[c.slot for c in children]}) == 3
     assert len(s.free_slots) == 1 and len(s.running) == 3
+    # the forked samples are in the step (preemption must not pick them) without a chunk
+    assert [c.seq for c in out.chunks] == [parent]
+    assert out.scheduled_ids == {parent.seq_id, *[c.seq_id for c in children]}
+    assert s._newest_unscheduled(out.scheduled_ids) is None
     sample(out)
     out = s.schedule()  # each sample decodes on its own
     assert sorted(c.seq.sample_index for c in out.chunks) == [0, 1, 2]
+    assert out.scheduled_ids == {seq.seq_id for seq in [parent, *children]}
     for seq in [parent, *children]:
         s.finish(seq)
     assert s.bm.num_free_blocks == 64 and len(s.free_slots) == 4
