@@ -3,21 +3,15 @@ benchmark itself)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_bench.py"
-
+from tests.actors.helpers import load_benchmark
 
 @pytest.fixture(scope="module")
 def e2e_bench():
-    spec = importlib.util.spec_from_file_location("e2e_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("e2e_bench")
 
 
 def test_tiny_workload_runs_both_sides_and_writes_json(e2e_bench, tmp_path, capsys):

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "host_step_bench.py"
+from tests.actors.helpers import load_benchmark
 
 
 def test_host_step_bench_times_each_phase_for_both_mixes(capsys):
-    spec = importlib.util.spec_from_file_location("host_step_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = module.main(["--batch", "16", "--output-len", "10"])
+    results = load_benchmark("host_step_bench").main(["--batch", "16", "--output-len", "10"])
     assert set(results) == {"top_p", "job"}
     for phases in results.values():
         assert set(phases) == {"schedule", "prepare", "process"}

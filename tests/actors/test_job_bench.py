@@ -4,24 +4,19 @@ run is the benchmark itself)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "job_bench.py"
+from tests.actors.helpers import load_benchmark
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def job_bench():
-    spec = importlib.util.spec_from_file_location("job_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("job_bench")
 
 
 def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_path, capsys):

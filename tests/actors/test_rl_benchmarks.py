@@ -3,24 +3,14 @@ in CI; the GPU runs are the benchmarks themselves)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.actors.helpers import load_benchmark
 
 def test_determinism_bench_compares_alone_and_batched_probes(tmp_path, capsys):
-    report = load("determinism").main(["--workload", "tiny", "--out", str(tmp_path),
+    report = load_benchmark("determinism").main(["--workload", "tiny", "--out", str(tmp_path),
                                        "--tmp", str(tmp_path)])
     assert json.loads((tmp_path / "determinism.json").read_text()) == \
         json.loads(json.dumps(report))
@@ -36,7 +26,7 @@ def test_determinism_bench_compares_alone_and_batched_probes(tmp_path, capsys):
 
 
 def test_rl_bench_runs_every_mode(tmp_path):
-    report = load("rl_bench").main(["--workloads", "tiny", "--transport", "local", "--reps",
+    report = load_benchmark("rl_bench").main(["--workloads", "tiny", "--transport", "local", "--reps",
                                     "1", "--out", str(tmp_path), "--tmp", str(tmp_path)])
     assert json.loads((tmp_path / "rl_bench.json").read_text())["results"].keys() == {"tiny"}
     result = report["results"]["tiny"]

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "startup_bench.py"
-
+from tests.actors.helpers import load_benchmark
 
 @pytest.fixture(scope="module")
 def startup_bench():
-    spec = importlib.util.spec_from_file_location("startup_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("startup_bench")
 
 
 def test_the_timeline_reads_the_plan_ray_and_each_actors_first_ready(startup_bench):

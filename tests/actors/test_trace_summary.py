@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("trace_summary",
-                                                  REPO / "benchmarks" / "trace_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.actors.helpers import load_benchmark
 
 
 def test_batches_split_into_prefill_and_decode_steps_and_shard_work_beside_them(tmp_path,
@@ -29,7 +19,7 @@ def test_batches_split_into_prefill_and_decode_steps_and_shard_work_beside_them(
               ("gc", "engine-loop", 10.5, 10.503, 0, 10), ("batch", "engine-loop", 10.0, 11.0, 1024)]
     (tmp_path / "trace-7.json").write_text(json.dumps({"pid": 7, "steps": steps,
                                                        "events": events}))
-    records = _module().main([str(tmp_path), "--json"])
+    records = load_benchmark("trace_summary").main([str(tmp_path), "--json"])
     [batch] = records["trace-7.json"]
     assert batch["decode_steps"] == 4 and batch["prefill_steps"] == 2
     assert batch["prefill_host_s"] == 0.17
