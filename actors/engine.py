@@ -23,7 +23,7 @@ from actors import profiling
 from actors.config import EngineConfig
 from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
-from actors.sequence import Request, Sequence, SeqStatus
+from actors.sequence import Request, Sequence
 from actors.setup import EngineParts, build_engine_parts
 from actors.sleep import SleepController
 from actors.weights import WeightLoader
@@ -286,30 +286,9 @@ class Engine:
         ranks = host.ranks.tolist() if host.ranks is not None else None
         extra = step.token_logprobs.get().token_ids.tolist() \
             if step.token_logprobs is not None else None
-        outputs, pending_pos, finished = self.outputs, step.pending_pos, SeqStatus.FINISHED
-        append_token, max_len = outputs.append_token, outputs.max_model_len
-        lp_seqs, lp_rows, done = [], [], []
-        for row, seq in enumerate(step.sample_seqs):
-            if seq.status is finished:
-                continue  # finished by the previous step (or aborted): this token is dropped
-            if seq.raw_logprobs is not None:
-                outputs.record_token_logprobs(seq, *extra[row])
-            if seq.logprobs is not None:
-                lp_seqs.append(seq)
-                lp_rows.append(row)
-            token, pos = tokens[row], pending_pos[row]
-            end = pos + 1
-            if (seq.detok is None and end < seq.max_num_tokens and end < max_len
-                    and token not in seq.request.stop_token_ids):
-                # what append_token does for a token that cannot end the sequence: no text
-                # to check for stop strings, not a stop token, not the last allowed one
-                seq.token_ids[pos] = token
-                seq.num_pending -= 1
-            elif append_token(seq, token, pos):
-                done.append(seq)
-        if lp_seqs:
-            outputs.record_logprobs(lp_seqs, lp_rows, values, ranks, host.topk_ids,
-                                    host.topk_values)
+        outputs = self.outputs
+        done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra, values,
+                                  ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
             tops = outputs.top_logprobs_of(done)
             for seq in done:

@@ -9,7 +9,7 @@ import numpy as np
 
 from actors.detokenizer import IncrementalDetokenizer, find_stop_string
 from actors.outputs import GenerationOutput, TopLogprobs
-from actors.sequence import PENDING, Request, Sequence
+from actors.sequence import PENDING, Request, Sequence, SeqStatus
 
 
 class OutputProcessor:
@@ -61,6 +61,41 @@ class OutputProcessor:
             for j, seq in enumerate(tops):
                 seq.top_blocks.append(block)
                 seq.top_rows.append(j)
+
+    def apply_step(self, seqs: list[Sequence], pending_pos: list[int], tokens: list[int],
+                   extra: list[list[float]] | None, values: list[float] | None,
+                   ranks: list[int] | None, top_ids: np.ndarray | None,
+                   top_values: np.ndarray | None) -> list[Sequence]:
+        """Applies one step's read-back results to the sequences that sampled in it (row
+        ``r`` of each list is ``seqs[r]``'s): the sampled token at its placeholder
+        ``pending_pos[r]``, the raw and temperature logprobs (``extra``) and the logprobs
+        where asked. Returns the sequences that finished with this token; a sequence
+        finished before (or aborted) drops its token."""
+        finished, max_len = SeqStatus.FINISHED, self.max_model_len
+        append_token = self.append_token
+        lp_seqs, lp_rows, done = [], [], []
+        for row, seq in enumerate(seqs):
+            if seq.status is finished:
+                continue
+            if seq.raw_logprobs is not None:
+                self.record_token_logprobs(seq, *extra[row])
+            if seq.logprobs is not None:
+                lp_seqs.append(seq)
+                lp_rows.append(row)
+            token, pos = tokens[row], pending_pos[row]
+            end = pos + 1
+            if (seq.detok is None and end < seq.max_num_tokens and end < max_len
+                    and token not in seq.request.stop_token_ids):
+                # append_token's path for a token that cannot end the sequence (no text to
+                # check for stop strings, not a stop token, not the last allowed position),
+                # inlined: this loop runs for every row of every step
+                seq.token_ids[pos] = token
+                seq.num_pending -= 1
+            elif append_token(seq, token, pos):
+                done.append(seq)
+        if lp_seqs:  # before any finished sequence's output is built
+            self.record_logprobs(lp_seqs, lp_rows, values, ranks, top_ids, top_values)
+        return done
 
     def _top_k(self, seq: Sequence) -> int:
         k = seq.request.params.logprobs
