@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     jb = load_job_bench()
     spec_name, engine = jb.MODELS[args.model_config]
     rows_per_shard = min(args.rows, engine["max_num_seqs"])
+    shards = -(-args.rows // rows_per_shard)
+    if shards < args.num_actors:  # the driver starts no more actors than there are shards
+        jb.log(f"{args.rows} rows make {shards} shard(s) of {rows_per_shard}: "
+               f"{shards} of the {args.num_actors} actors start")
     settings = SimpleNamespace(model_config=args.model_config, prompt_len=128 if
                                args.model_config != "tiny" else 16, output_len=16,
                                max_num_seqs=0, max_batched_tokens=0, device=args.device,
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = e2e.build_model(spec, work / "model")
         del model  # the jobs' actors need the device memory, not this process
         gc.collect()
-        torch = sys.modules["torch"]
+        import torch  # loaded already by e2e_bench
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         jb.log(f"model saved in {time.perf_counter() - t0:.1f} s")
@@ -137,21 +142,21 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
     for tree in trees:
         mine = [r for r in runs if r["tree"] == str(tree)]
         later = mine[1:] or mine
-
-        def median(values: list[float | None]) -> float | None:
-            values = [v for v in values if v is not None]
-            return statistics.median(values) if values else None
-
         ages = [a.get("process age") for r in later for a in r["actors"].values()]
         summary[str(tree)] = {
             "runs": len(later),
-            "planned_s": median([r.get("planned_s") for r in later]),
-            "first_ready_s": median([r["first_ready_s"] for r in later]),
-            "ready_skew_s": median([r["ready_skew_s"] for r in later]),
-            "process_age_at_ready_s": median(ages),
-            "end_to_end_s": median([r["end_to_end_s"] for r in later]),
+            "planned_s": _median([r.get("planned_s") for r in later]),
+            "first_ready_s": _median([r["first_ready_s"] for r in later]),
+            "ready_skew_s": _median([r["ready_skew_s"] for r in later]),
+            "process_age_at_ready_s": _median(ages),
+            "end_to_end_s": _median([r["end_to_end_s"] for r in later]),
         }
     return summary
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def print_summary(report: dict) -> None:
