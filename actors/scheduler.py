@@ -207,8 +207,9 @@ class Scheduler:
             if seq.fanout > 1:
                 need += self._fork_pages(seq, after)
             if need > bm.num_free_blocks:
+                scheduled = out.scheduled_ids  # preempting unscheduled sequences keeps it
                 while need > bm.num_free_blocks:
-                    victim = self._newest_unscheduled(out.scheduled_ids)
+                    victim = self._newest_unscheduled(scheduled)
                     if victim is None:  # only sequences of this step hold pages: wait a step
                         break
                     self._preempt(victim, out)
