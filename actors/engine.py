@@ -53,19 +53,22 @@ class StepCounters:
     two snapshots describe a stretch of work: host time per step is ``(busy_s -
     device_wait_s) / steps``; a host that keeps ahead of the device shows most of ``busy_s``
     as waiting; host time well above ``cpu_s`` is time the thread was runnable but not
-    running (another thread holding the GIL, or no free core)."""
+    running (another thread holding the GIL, or no free core). ``seqs``: the sequences those
+    steps ran, summed (``seqs / steps`` is the mean batch: how full the engine was)."""
 
     steps: int = 0
     busy_s: float = 0.0
     device_wait_s: float = 0.0
     cpu_s: float = 0.0
+    seqs: int = 0
 
     def snapshot(self) -> "StepCounters":
-        return StepCounters(self.steps, self.busy_s, self.device_wait_s, self.cpu_s)
+        return StepCounters(self.steps, self.busy_s, self.device_wait_s, self.cpu_s, self.seqs)
 
     def since(self, before: "StepCounters") -> "StepCounters":
         return StepCounters(self.steps - before.steps, self.busy_s - before.busy_s,
-                            self.device_wait_s - before.device_wait_s, self.cpu_s - before.cpu_s)
+                            self.device_wait_s - before.device_wait_s, self.cpu_s - before.cpu_s,
+                            self.seqs - before.seqs)
 
 
 class Engine:
@@ -247,7 +250,9 @@ class Engine:
             self._inflight = launched
             ready, self._ready = self._ready, []
             counters = self.counters
-            counters.steps += launched is not None
+            if launched is not None:
+                counters.steps += 1
+                counters.seqs += len(sched.seqs)
             busy = time.perf_counter() - started
             counters.busy_s += busy
             counters.cpu_s += time.thread_time() - cpu_started

@@ -97,7 +97,7 @@ class EngineServer:
         on an idle engine with a fresh prefix cache (see the module docstring). ``stats``: a
         dict that receives where the call's time went: ``queued_s`` (waiting to be admitted),
         ``run_s`` (admission to the last output) and the engine's ``steps``, ``busy_s``,
-        ``device_wait_s`` and ``cpu_s`` over ``run_s`` (``Engine.counters``; a shared call's
+        ``device_wait_s``, ``cpu_s`` and ``seqs`` over ``run_s`` (``Engine.counters``; a shared call's
         figures include the steps it shared). ``built``: what ``Engine.build_requests`` made
         of ``requests`` already (``actors.shard.ShardPrefetch``)."""
         batch = _Batch(requests, exclusive)
@@ -189,7 +189,8 @@ class EngineServer:
             if before is not None and after is not None:
                 spent = after.since(before)
                 batch.stats.update(steps=spent.steps, busy_s=spent.busy_s,
-                                   device_wait_s=spent.device_wait_s, cpu_s=spent.cpu_s)
+                                   device_wait_s=spent.device_wait_s, cpu_s=spent.cpu_s,
+                                   seqs=spent.seqs)
         for rid in batch.expected:
             self._owner.pop(rid, None)
         if self._exclusive is batch:

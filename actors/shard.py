@@ -52,9 +52,10 @@ class ShardResult:
 
     def timing(self) -> str:
         """Where the shard's time went on the actor, for the driver's log: ``prepare 0.08 s,
-        generate 3.67 s (queued 1.80 s; 130 steps in 1.85 s: 14.2 ms a step, host 6.1 (on a CPU
-        5.2), waiting for the device 8.1), write 0.44 s``: host time is the stepping thread's
-        wall time outside device waits, "on a CPU" the part of it the thread was running."""
+        generate 3.67 s (queued 1.80 s; 130 steps of 250 sequences in 1.85 s: 14.2 ms a step,
+        host 6.1 (on a CPU 5.2), waiting for the device 8.1), write 0.44 s``: the steps' mean
+        batch (how full the engine was), host time the stepping thread's wall time outside
+        device waits, "on a CPU" the part of it the thread was running."""
         parts = []
         for name, seconds in self.phases.items():
             text = f"{name} {seconds:.2f} s"
@@ -62,7 +63,8 @@ class ShardResult:
                 e = self.engine
                 per = 1e3 / e["steps"]
                 cpu = f" (on a CPU {e['cpu_s'] * per:.1f})" if "cpu_s" in e else ""
-                text += (f" (queued {e['queued_s']:.2f} s; {e['steps']} steps in "
+                batch = f" of {e['seqs'] / e['steps']:.0f} sequences" if "seqs" in e else ""
+                text += (f" (queued {e['queued_s']:.2f} s; {e['steps']} steps{batch} in "
                          f"{e['run_s']:.2f} s: {e['run_s'] * per:.1f} ms a step, host "
                          f"{(e['busy_s'] - e['device_wait_s']) * per:.1f}{cpu}, waiting for "
                          f"the device {e['device_wait_s'] * per:.1f})")

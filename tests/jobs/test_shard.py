@@ -175,6 +175,8 @@ def test_shard_timing_line():
     result.engine["cpu_s"] = 0.676  # the stepping thread's CPU time, when reported
     assert "14.2 ms a step, host 6.1 (on a CPU 5.2), waiting for the device 8.1)" in \
         result.timing()
+    result.engine["seqs"] = 130 * 250  # the sequences of those steps: their mean batch
+    assert "130 steps of 250 sequences in 1.85 s: 14.2 ms a step" in result.timing()
     result.engine = {}  # an engine without counters: the phases alone
     assert result.timing() == "prepare 0.08 s, generate 3.67 s, write 0.44 s"
 
