@@ -9,6 +9,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 IN_FLIGHT_PER_ACTOR = 2  # shards per actor at once: the next one queues while one finishes
+# the most shards an actor holds when small shards share its engine (jobs.dispatch)
+MAX_SHARDS_IN_FLIGHT = 32
 
 
 def connect(address: str | None) -> None:
@@ -49,16 +51,19 @@ def check_resources(num_actors: int, num_gpus: float) -> None:
                          f"Ray cluster has {have:g}")
 
 
-def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: float):
+def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: float,
+                  shards_at_once: int = IN_FLIGHT_PER_ACTOR):
     """A function that starts one generation actor and returns its handle:
     ``start(first_shard=None)`` constructs ``actor_cls(model, engine_config,
-    first_shard=first_shard)`` (``GenerationActor`` reads that shard while its model loads)."""
+    first_shard=first_shard)`` (``GenerationActor`` reads that shard while its model loads).
+    ``shards_at_once``: the most ``process_shard`` calls the dispatcher has on one actor (each
+    runs on a thread of its own; one more thread answers the startup report)."""
     import ray
 
     remote_cls = ray.remote(actor_cls).options(
         num_cpus=1,
         num_gpus=num_gpus,
-        max_concurrency=IN_FLIGHT_PER_ACTOR + 1,
+        max_concurrency=shards_at_once + 1,
         max_restarts=0,
         max_task_retries=0,
     )

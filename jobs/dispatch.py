@@ -1,7 +1,10 @@
 """The dispatch loop: a fixed pool of actors pulls shards, dead actors are replaced.
 
-Each actor holds up to ``IN_FLIGHT_PER_ACTOR`` shards, so its engine already has the next
-shard's requests while the current one drains. Each actor of the first pool gets its first
+Each actor holds ``IN_FLIGHT_PER_ACTOR`` shards, so the next one's rows are read and its
+requests built while the current one runs. When shards share the engine (``deterministic:
+false``), an actor whose shards would not fill its engine takes more: while its shards hold
+fewer than ``fill_rows`` rows (the engine's sequences, plus a shard to spare), up to
+``MAX_SHARDS_IN_FLIGHT``. Each actor of the first pool gets its first
 shard with its constructor call (Ray queues it behind the constructor), and the constructor is
 told which it is (``start_actor(first_shard=task)``), so the actor reads its rows while the
 model loads and generates the moment its model is up. A shard whose attempt
@@ -21,7 +24,7 @@ from typing import Any, Callable
 
 from actors.serving import EngineFailure
 from actors.shard import PartWriteError, ShardResult, ShardTask, write_failed_shard
-from jobs.cluster import IN_FLIGHT_PER_ACTOR
+from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,9 @@ class Dispatcher:
     """Runs shards on an actor pool until each is committed (or written as error rows)."""
 
     def __init__(self, start_actor: Callable[..., Any], num_actors: int, make_task: MakeTask,
-                 commit: Commit, max_attempts: int) -> None:
+                 commit: Commit, max_attempts: int, fill_rows: int = 0) -> None:
         self._start_actor = start_actor
+        self._fill_rows = fill_rows
         self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
         self._make_task = make_task
         self._commit = commit
@@ -177,8 +181,17 @@ class Dispatcher:
                 drain = min(busy, key=lambda s: len(s.inflight)) if busy else None
         for slot in ready:
             while (not slot.exclusive and slot is not drain and self._pending
-                   and len(slot.inflight) < IN_FLIGHT_PER_ACTOR):
+                   and self._wants_more(slot)):
                 self._submit(slot, *self._pending.popleft(), exclusive=False)
+
+    def _wants_more(self, slot: _Slot) -> bool:
+        """Whether ``slot`` takes another shard: below ``IN_FLIGHT_PER_ACTOR`` shards always,
+        beyond that while its shards' rows stay under ``fill_rows``."""
+        held = len(slot.inflight)
+        if held < IN_FLIGHT_PER_ACTOR:
+            return True
+        return held < MAX_SHARDS_IN_FLIGHT and \
+            sum(t.row_stop - t.row_start for t in slot.inflight.values()) < self._fill_rows
 
     def _on_done(self, slot: _Slot, ref: Any) -> None:
         import ray

@@ -79,6 +79,31 @@ def make_task(shard: Shard, attempt: int, spec: InputSpec, config: JobConfig,
     )
 
 
+def fill_rows(config: JobConfig) -> int:
+    """Input rows an actor may hold in shards that share its engine (``deterministic:
+    false``): the rows its engine runs at once (``max_num_seqs`` sequences over the job's
+    default ``n``) and a shard to spare, so that the engine stays full while a finished
+    shard's next one is on its way. 0 for a deterministic job (its shards run one at a time)."""
+    if config.deterministic:
+        return 0
+    n = int(config.sampling_params.get("n") or 1)
+    return -(-_max_num_seqs(config) // n) + config.rows_per_shard
+
+
+def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
+    """A note for a deterministic job whose shards are too small to fill an engine (each
+    runs alone, so the engine runs at most a shard's rows at once), else None."""
+    n = int(config.sampling_params.get("n") or 1)
+    seqs = _max_num_seqs(config)
+    rows = config.rows_per_shard
+    if not config.deterministic or rows * n >= seqs or total_rows <= rows:
+        return None
+    return (f"each shard runs alone on its actor's engine (deterministic: true), so at most "
+            f"rows_per_shard={rows} rows x n={n} of the engine's max_num_seqs={seqs} "
+            f"sequences run at once; a rows_per_shard of {-(-seqs // n)} or more fills it, "
+            f"and deterministic: false lets shards share it")
+
+
 def _max_num_seqs(config: JobConfig) -> int:
     """The engine's ``max_num_seqs`` (the largest ``n`` a row may ask for)."""
     from actors.config import EngineConfig

@@ -17,7 +17,7 @@ from actors.shard import ShardResult
 from jobs.config import ConfigLike, JobConfig, load_config
 from jobs.inputs import discover
 from jobs.manifest import Manifest
-from jobs.plan import make_task, plan_document, plan_shards
+from jobs.plan import fill_rows, make_task, plan_document, plan_shards, underfilled_engine
 from jobs.progress import JobResult, Progress, totals
 from jobs.storage import resolve
 
@@ -106,6 +106,9 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
     todo = [s.shard_id for s in shards if not manifest.is_committed(s.shard_id)]
     done_rows = totals(manifest.committed)["rows"]
     logger.info("%d shards planned, %d already committed", len(shards), len(shards) - len(todo))
+    note = underfilled_engine(config, spec.total_rows)
+    if note and todo:
+        logger.warning("%s", note)
     bar = Progress(spec.total_rows, done_rows, enabled=progress)
     dispatcher = None
     try:
@@ -139,7 +142,8 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
 
 
 def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
-    from jobs.cluster import actor_factory, check_resources, connect
+    from jobs.cluster import (IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT, actor_factory,
+                              check_resources, connect)
     from jobs.dispatch import Dispatcher
 
     if actor_cls is None:
@@ -165,12 +169,15 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
                            message)
         bar.update(result.rows, result.output_tokens, actor)
 
+    fill = fill_rows(config)  # 0: shards run one at a time, two per actor at once
     dispatcher = Dispatcher(
-        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor),
+        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor,
+                      shards_at_once=MAX_SHARDS_IN_FLIGHT if fill else IN_FLIGHT_PER_ACTOR),
         min(config.num_actors, len(todo)),
         lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),
         commit,
         config.max_shard_attempts,
+        fill_rows=fill,
     )
     bar.add_actors(dispatcher.actors)
     dispatcher.run(todo)

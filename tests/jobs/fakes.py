@@ -167,3 +167,42 @@ def dies_while_starting(token: str) -> type:
                 os._exit(1)
 
     return DiesWhileStartingActor
+
+
+def recording(directory: str) -> type:
+    """A SlowFakeActor that records how full it got: the most requests its engine held at
+    once and the most ``process_shard`` calls it ran at once, written to
+    ``<directory>/<pid>.json`` as each call returns."""
+    import json
+    import threading
+
+    class RecordingEngine(SlowFakeEngine):
+        peak_active = 0
+
+        def step(self) -> list[GenerationOutput]:
+            self.peak_active = max(self.peak_active, len(self.active))
+            return super().step()
+
+    class RecordingActor(SlowFakeActor):
+        def __init__(self, model: str, engine_config: Any = None, *,
+                     first_shard: Any = None) -> None:
+            super().__init__(model, engine_config, first_shard=first_shard)
+            self.engine = RecordingEngine()
+            self._lock = threading.Lock()
+            self._calls = self._peak_calls = 0
+
+        def process_shard(self, task):
+            with self._lock:
+                self._calls += 1
+                self._peak_calls = max(self._peak_calls, self._calls)
+            try:
+                return super().process_shard(task)
+            finally:
+                with self._lock:
+                    self._calls -= 1
+                    record = {"peak_active": self.engine.peak_active,
+                              "peak_calls": self._peak_calls}
+                    with open(os.path.join(directory, f"{os.getpid()}.json"), "w") as f:
+                        json.dump(record, f)
+
+    return RecordingActor

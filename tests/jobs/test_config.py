@@ -93,3 +93,19 @@ def test_example_job_yaml_is_valid():
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "job.yaml")
     assert cfg.num_actors == 2 and cfg.sampling_params["max_tokens"] == 256
+
+
+def test_rows_an_actor_holds_in_shards_that_share_its_engine():
+    from jobs.plan import fill_rows, underfilled_engine
+
+    base = {"model": "m", "input": "x", "output": "o", "rows_per_shard": 10}
+    assert fill_rows(JobConfig.from_dict(base)) == 0  # deterministic: one shard at a time
+    shared = {**base, "deterministic": False}
+    assert fill_rows(JobConfig.from_dict(shared)) == 256 + 10  # the engine's default seqs
+    assert fill_rows(JobConfig.from_dict({**shared, "engine": {"max_num_seqs": 64},
+                                          "sampling_params": {"n": 3}})) == 22 + 10
+    note = underfilled_engine(JobConfig.from_dict({**base, "sampling_params": {"n": 2}}), 500)
+    assert "rows_per_shard=10 rows x n=2" in note and "rows_per_shard of 128 or more" in note
+    assert underfilled_engine(JobConfig.from_dict(base), 10) is None  # one shard: no larger
+    assert underfilled_engine(JobConfig.from_dict(shared), 500) is None
+    assert underfilled_engine(JobConfig.from_dict({**base, "rows_per_shard": 256}), 500) is None

@@ -99,6 +99,20 @@ def test_actor_death_is_retried_and_output_matches_clean_run(clean_run, tiny_lla
     assert read_output(tmp_path / "out").equals(clean_run[2])
 
 
+def test_actor_death_with_many_shared_shards_on_it_loses_and_duplicates_nothing(
+        clean_run, tiny_llama, tmp_path):
+    """Shards that share the engine (deterministic: false) of 28 sequences: 5 of the 7-row
+    shards on each actor, all of them retried when their actor dies."""
+    marker = tmp_path / "died-once"
+    _write_input(tmp_path / "in", special={11: f"DIE-ONCE:{marker}", 45: f"DIE-ONCE:{marker}"})
+    res = run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out", deterministic=False,
+                          engine={"max_num_seqs": 28}),
+                  actor_cls=FakeActor, progress=False)
+    assert marker.exists()
+    assert res.shards_retried >= 2 and res.shards_failed == 0 and res.errors == 0
+    assert read_output(tmp_path / "out").equals(clean_run[2])
+
+
 def test_poison_shards_become_error_rows_and_bystanders_do_not(ray_local, tiny_llama,
                                                                 tmp_path):
     # shard 3 kills its actor every time; shard 4 breaks its engine every time
@@ -188,3 +202,42 @@ def test_shard_queued_on_an_actor_that_dies_while_starting_is_not_an_attempt(
     assert all(entry["attempt"] == 1 for entry in committed.values()), committed
     assert res.shards_retried == 0 and res.errors == 0
     assert read_output(tmp_path / "out").num_rows == res.rows == sum(_n(i) for i in range(21))
+
+
+def _peaks(directory) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_small_shards_that_share_the_engine_fill_it(ray_local, tiny_llama, tmp_path, caplog,
+                                                    deterministic):
+    """4-row shards, an engine of 16 sequences: shared shards (deterministic: false) keep
+    16 rows and a shard to spare on the actor, so its engine runs full; deterministic shards
+    run one at a time (two calls on the actor, the engine never above one shard's rows), and
+    the driver says how to fill the engine."""
+    import logging
+
+    from tests.jobs.fakes import recording
+
+    rows = [{"id": i, "prompt": f"prompt number {i}",
+             "sampling_params": json.dumps({"max_tokens": 6})} for i in range(96)]
+    write_parquet(tmp_path / "in" / "a.parquet", rows)
+    (tmp_path / "peaks").mkdir()
+    caplog.set_level(logging.WARNING, logger="jobs.runner")
+    res = run_job(_config(tiny_llama, tmp_path / "in", tmp_path / "out", num_actors=1,
+                          rows_per_shard=4, engine={"max_num_seqs": 16},
+                          deterministic=deterministic),
+                  actor_cls=recording(str(tmp_path / "peaks")), progress=False)
+    assert res.rows == 96 and res.errors == 0 and res.shards == 24
+    assert sorted(read_output(tmp_path / "out").column("id").to_pylist()) == list(range(96))
+    [peak] = _peaks(tmp_path / "peaks")
+    notes = [r.getMessage() for r in caplog.records if "runs alone" in r.getMessage()]
+    if deterministic:
+        assert peak["peak_calls"] <= 2 and peak["peak_active"] <= 4
+        assert len(notes) == 1 and "rows_per_shard=4" in notes[0] and \
+            "max_num_seqs=16" in notes[0] and "rows_per_shard of 16 or more" in notes[0]
+    else:
+        # (16 + 4) / 4 = 5 shards on the actor: two alone would hold 8 rows
+        assert peak["peak_calls"] == 5
+        assert 16 <= peak["peak_active"] <= 20
+        assert not notes
