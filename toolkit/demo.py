@@ -67,7 +67,7 @@ def demo_config(output: str, model: str, num_actors: int) -> JobConfig:
         seed=0,
         ray_address="local",
         sampling_params={"max_tokens": 12, "temperature": 1.0},
-        engine={"max_num_seqs": 32, "max_model_len": 256},
+        engine={"max_num_seqs": 4, "max_model_len": 256},  # a shard's rows at once
     )
 
 
