@@ -419,6 +419,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     lines: list[str] = []
     stamped: list[tuple[float, str]] = []
     affinity: dict[int, str | None] = {}  # actor pid: its CPUs
+    batches: dict[int, int] = {}  # shard id: its steps' mean batch (sequences a step)
 
     def read() -> None:
         for line in proc.stdout:
@@ -434,6 +435,8 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
                     affinity.setdefault(pid, cpus_allowed(pid))
             elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
                 actor_events.append((now, m.group(2), "shard", int(m.group(1))))
+                if b := re.search(r" steps of (\d+) sequences in ", line):
+                    batches[int(m.group(1))] = int(b.group(1))
             elif "jobs.runner: job finished" in line:
                 events["finished"] = now
 
@@ -471,6 +474,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             "ready_skew_s": (max(ready) - min(ready)) if ready else 0.0,
             "actor_events": [(t - started, a, kind, i) for t, a, kind, i in actor_events],
             "killed": killed, "actor_cpus": {str(k): v for k, v in affinity.items()},
+            "shard_batches": {str(k): v for k, v in sorted(batches.items())},
             "log_tail": lines[-12:], **({"log": stamped} if keep_log else {})}
 
 
@@ -546,8 +550,10 @@ def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
     if kill:
         checks["actor_killed"] = bool(run["killed"])
         checks["retried"] = result["shards_retried"] >= 1
+    batches = sorted(run["shard_batches"].values())
+    batch = f", shards' mean batch {batches[0]}-{batches[-1]}" if batches else ""
     log(f"{name}: {result['output_tok_s']:,.0f} output tok/s over {run['generation_s']:.2f} s "
-        f"of generation ({run['end_to_end_s']:.1f} s end to end); checks "
+        f"of generation ({run['end_to_end_s']:.1f} s end to end{batch}); checks "
         f"{'ok' if all(checks.values()) else checks}")
     return result, table
 

@@ -56,6 +56,9 @@ def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_pat
     for name, job in jobs.items():  # every shard is counted once, by the actor that wrote it
         shards = sorted(i for a in job["per_actor"].values() for i in a["shards"])
         assert shards == [0, 1, 2, 3] or name == "2_actors_kill", (name, job["per_actor"])
+        # each committed shard's mean batch, from its line (16-row shards run alone)
+        assert set(job["shard_batches"]) >= {str(i) for i in shards}, job["shard_batches"]
+        assert all(1 <= b <= 16 for b in job["shard_batches"].values()), job["shard_batches"]
     assert jobs["2_actors"]["sum_of_actor_tok_s"] > 0
     assert jobs["1_actor"]["token_ids_equal_bare"] == 1.0  # float32 on CPU: no near-ties
     assert "all checks passed" in capsys.readouterr().out
