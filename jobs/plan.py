@@ -91,17 +91,29 @@ def fill_rows(config: JobConfig) -> int:
 
 
 def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
-    """A note for a deterministic job whose shards are too small to fill an engine (each
-    runs alone, so the engine runs at most a shard's rows at once), else None."""
+    """A note for a job whose shards are too small to fill an engine, else None: a
+    deterministic job's shards run alone (the engine runs at most a shard's rows at once);
+    shards that share the engine fill it up to ``MAX_SHARDS_IN_FLIGHT`` of them."""
+    from jobs.cluster import MAX_SHARDS_IN_FLIGHT
+
     n = int(config.sampling_params.get("n") or 1)
     seqs = _max_num_seqs(config)
     rows = config.rows_per_shard
-    if not config.deterministic or rows * n >= seqs or total_rows <= rows:
+    enough = -(-seqs // n)  # rows that fill the engine
+    if config.deterministic:
+        if rows >= enough or total_rows <= rows:
+            return None
+        return (f"each shard runs alone on its actor's engine (deterministic: true), so at "
+                f"most rows_per_shard={rows} rows x n={n} of the engine's max_num_seqs={seqs} "
+                f"sequences run at once; a rows_per_shard of {enough} or more fills it, and "
+                f"deterministic: false lets shards share it")
+    held = rows * MAX_SHARDS_IN_FLIGHT
+    if held >= enough or total_rows <= held:
         return None
-    return (f"each shard runs alone on its actor's engine (deterministic: true), so at most "
-            f"rows_per_shard={rows} rows x n={n} of the engine's max_num_seqs={seqs} "
-            f"sequences run at once; a rows_per_shard of {-(-seqs // n)} or more fills it, "
-            f"and deterministic: false lets shards share it")
+    return (f"an actor holds at most {MAX_SHARDS_IN_FLIGHT} shards, so at most "
+            f"rows_per_shard={rows} x {MAX_SHARDS_IN_FLIGHT} rows x n={n} of the engine's "
+            f"max_num_seqs={seqs} sequences run at once; a rows_per_shard of "
+            f"{-(-enough // MAX_SHARDS_IN_FLIGHT)} or more fills it")
 
 
 def _max_num_seqs(config: JobConfig) -> int:
