@@ -100,20 +100,19 @@ def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
     seqs = _max_num_seqs(config)
     rows = config.rows_per_shard
     enough = -(-seqs // n)  # rows that fill the engine
-    if config.deterministic:
-        if rows >= enough or total_rows <= rows:
-            return None
-        return (f"each shard runs alone on its actor's engine (deterministic: true), so at "
-                f"most rows_per_shard={rows} rows x n={n} of the engine's max_num_seqs={seqs} "
-                f"sequences run at once; a rows_per_shard of {enough} or more fills it, and "
-                f"deterministic: false lets shards share it")
-    held = rows * MAX_SHARDS_IN_FLIGHT
+    alone = config.deterministic
+    held = rows if alone else rows * MAX_SHARDS_IN_FLIGHT  # the most rows an engine gets
     if held >= enough or total_rows <= held:
         return None
-    return (f"an actor holds at most {MAX_SHARDS_IN_FLIGHT} shards, so at most "
-            f"rows_per_shard={rows} x {MAX_SHARDS_IN_FLIGHT} rows x n={n} of the engine's "
-            f"max_num_seqs={seqs} sequences run at once; a rows_per_shard of "
-            f"{-(-enough // MAX_SHARDS_IN_FLIGHT)} or more fills it")
+    if alone:
+        why = "each shard runs alone on its actor's engine (deterministic: true)"
+        fix = (f"a rows_per_shard of {enough} or more fills it, and deterministic: false lets "
+               "shards share it")
+    else:
+        why = f"an actor holds at most {MAX_SHARDS_IN_FLIGHT} shards"
+        fix = f"a rows_per_shard of {-(-enough // MAX_SHARDS_IN_FLIGHT)} or more fills it"
+    return (f"{why}, so with rows_per_shard={rows} at most {held} rows x n={n} of the "
+            f"engine's max_num_seqs={seqs} sequences run at once; {fix}")
 
 
 def _max_num_seqs(config: JobConfig) -> int:

@@ -105,11 +105,13 @@ def test_rows_an_actor_holds_in_shards_that_share_its_engine():
     assert fill_rows(JobConfig.from_dict({**shared, "engine": {"max_num_seqs": 64},
                                           "sampling_params": {"n": 3}})) == 22 + 10
     note = underfilled_engine(JobConfig.from_dict({**base, "sampling_params": {"n": 2}}), 500)
-    assert "rows_per_shard=10 rows x n=2" in note and "rows_per_shard of 128 or more" in note
+    assert "rows_per_shard=10 at most 10 rows x n=2" in note
+    assert "max_num_seqs=256" in note and "rows_per_shard of 128 or more" in note
     assert underfilled_engine(JobConfig.from_dict(base), 10) is None  # one shard: no larger
     assert underfilled_engine(JobConfig.from_dict(shared), 500) is None
     tiny = {**shared, "rows_per_shard": 2, "engine": {"max_num_seqs": 100}}
     note = underfilled_engine(JobConfig.from_dict(tiny), 500)  # 32 shards of 2 rows: 64
-    assert "holds at most 32 shards" in note and "rows_per_shard of 4 or more" in note
+    assert "holds at most 32 shards, so with rows_per_shard=2 at most 64 rows" in note
+    assert "max_num_seqs=100" in note and "rows_per_shard of 4 or more" in note
     assert underfilled_engine(JobConfig.from_dict(tiny), 64) is None  # no more rows to hold
     assert underfilled_engine(JobConfig.from_dict({**base, "rows_per_shard": 256}), 500) is None
