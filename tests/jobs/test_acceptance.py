@@ -149,7 +149,8 @@ def test_shards_that_share_the_engine_match_up_to_rounding(job_a, tmp_path):
     """deterministic: false with 40-row shards and an engine of 48 sequences: an actor holds
     three shards at once and their rows share steps (which rows, timing decides). Everything
     but the floats is job_a's; the floats move by rounding only. A sampled token may differ
-    where the top two candidates tie within that rounding (README): at most 1% of the rows."""
+    where the top two candidates tie within that rounding (``JobConfig.deterministic``): at
+    most 1% of the rows."""
     out = tmp_path / "out-shared"
     result = run_job(_config(job_a["config"]["model"], job_a["root"] / "in", out,
                              deterministic=False), progress=False)
