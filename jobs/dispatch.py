@@ -32,6 +32,13 @@ MakeTask = Callable[[int, int], ShardTask]  # (shard id, attempt) -> task
 Commit = Callable[[ShardResult, str], None]  # (result, actor name) -> None
 
 
+def shards_at_once(fill_rows: int) -> int:
+    """The most shards the dispatcher gives one actor at once (its Ray ``max_concurrency``
+    must allow as many ``process_shard`` calls): ``IN_FLIGHT_PER_ACTOR``, or up to
+    ``MAX_SHARDS_IN_FLIGHT`` when shards share the engine (``fill_rows`` > 0)."""
+    return MAX_SHARDS_IN_FLIGHT if fill_rows else IN_FLIGHT_PER_ACTOR
+
+
 @dataclass(slots=True)
 class _Slot:
     name: str
@@ -63,6 +70,7 @@ class Dispatcher:
                  commit: Commit, max_attempts: int, fill_rows: int = 0) -> None:
         self._start_actor = start_actor
         self._fill_rows = fill_rows
+        self._most = shards_at_once(fill_rows)
         self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
         self._make_task = make_task
         self._commit = commit
@@ -190,7 +198,7 @@ class Dispatcher:
         held = len(slot.inflight)
         if held < IN_FLIGHT_PER_ACTOR:
             return True
-        return held < MAX_SHARDS_IN_FLIGHT and \
+        return held < self._most and \
             sum(t.row_stop - t.row_start for t in slot.inflight.values()) < self._fill_rows
 
     def _on_done(self, slot: _Slot, ref: Any) -> None:

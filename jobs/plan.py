@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.task import ShardTask
+from jobs.cluster import MAX_SHARDS_IN_FLIGHT
 from jobs.config import JobConfig
 from jobs.inputs import InputSpec
 from jobs.manifest import encode_schema
@@ -84,22 +85,17 @@ def fill_rows(config: JobConfig) -> int:
     false``): the rows its engine runs at once (``max_num_seqs`` sequences over the job's
     default ``n``) and a shard to spare, so that the engine stays full while a finished
     shard's next one is on its way. 0 for a deterministic job (its shards run one at a time)."""
-    if config.deterministic:
-        return 0
-    n = int(config.sampling_params.get("n") or 1)
-    return -(-_max_num_seqs(config) // n) + config.rows_per_shard
+    return 0 if config.deterministic else _engine_rows(config) + config.rows_per_shard
 
 
 def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
     """A note for a job whose shards are too small to fill an engine, else None: a
     deterministic job's shards run alone (the engine runs at most a shard's rows at once);
     shards that share the engine fill it up to ``MAX_SHARDS_IN_FLIGHT`` of them."""
-    from jobs.cluster import MAX_SHARDS_IN_FLIGHT
-
     n = int(config.sampling_params.get("n") or 1)
     seqs = _max_num_seqs(config)
     rows = config.rows_per_shard
-    enough = -(-seqs // n)  # rows that fill the engine
+    enough = _engine_rows(config)
     alone = config.deterministic
     held = rows if alone else rows * MAX_SHARDS_IN_FLIGHT  # the most rows an engine gets
     if held >= enough or total_rows <= held:
@@ -113,6 +109,12 @@ def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
         fix = f"a rows_per_shard of {-(-enough // MAX_SHARDS_IN_FLIGHT)} or more fills it"
     return (f"{why}, so with rows_per_shard={rows} at most {held} rows x n={n} of the "
             f"engine's max_num_seqs={seqs} sequences run at once; {fix}")
+
+
+def _engine_rows(config: JobConfig) -> int:
+    """Input rows that fill an engine: its ``max_num_seqs`` sequences over the job's default
+    ``n`` (rows asking for more samples fill it sooner)."""
+    return -(-_max_num_seqs(config) // int(config.sampling_params.get("n") or 1))
 
 
 def _max_num_seqs(config: JobConfig) -> int:

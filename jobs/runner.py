@@ -142,9 +142,8 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
 
 
 def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
-    from jobs.cluster import (IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT, actor_factory,
-                              check_resources, connect)
-    from jobs.dispatch import Dispatcher
+    from jobs.cluster import actor_factory, check_resources, connect
+    from jobs.dispatch import Dispatcher, shards_at_once
 
     if actor_cls is None:
         from actors.actor import GenerationActor as actor_cls
@@ -172,7 +171,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
     fill = fill_rows(config)  # 0: shards run one at a time, two per actor at once
     dispatcher = Dispatcher(
         actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor,
-                      shards_at_once=MAX_SHARDS_IN_FLIGHT if fill else IN_FLIGHT_PER_ACTOR),
+                      shards_at_once=shards_at_once(fill)),
         min(config.num_actors, len(todo)),
         lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),
         commit,
