@@ -1,7 +1,11 @@
 """Summarises ``RAYGEN_TRACE_DIR`` timelines (``actors.profiling.Trace``): per batch of each
 process, its decode steps (host, CPU and device-wait milliseconds a step), its prefill steps
 (host seconds in all), how many decode steps ran beside a shard thread's Python work (reading
-the next shard, building requests, writing a part) and the collector's time.
+the next shard, building requests, writing a part) and the collector's time; then, per
+process, its steps from its first batch's start to its last batch's end taken once each
+(batches that share the engine overlap): decode and prefill steps, their host and CPU
+seconds, the host time the stepping thread was runnable but not running (host less CPU:
+another thread held the GIL), and the shard threads' work in that window.
 
     RAYGEN_TRACE_DIR=$OUT/trace python3 benchmarks/job_bench.py --max-actors 1 ...
     python3 benchmarks/trace_summary.py $OUT/trace          # a table; --json for the records
@@ -49,19 +53,45 @@ def summarise(trace: dict, max_decode_tokens: int) -> list[dict]:
     return out
 
 
+def summarise_process(trace: dict, max_decode_tokens: int) -> dict:
+    """The steps of ``trace`` within its batches' span, each counted once."""
+    steps, events = trace["steps"], trace["events"]
+    batches = [e for e in events if e[0] == "batch"]
+    if not batches:
+        return {}
+    start, end = min(b[2] for b in batches), max(b[3] for b in batches)
+    inside = [s for s in steps if start <= s[0] <= end + 1e-3 and s[4] > 0]
+    work = [e for e in events if e[0] in SHARD_WORK and e[1] != "shard-prefetch"
+            and e[3] > start and e[2] < end]
+    out: dict = {"seconds": round(end - start, 3),
+                 "shard_work_s": round(sum(w[3] - w[2] for w in work), 3)}
+    for kind, chosen in (("decode", [s for s in inside if s[4] <= max_decode_tokens]),
+                         ("prefill", [s for s in inside if s[4] > max_decode_tokens])):
+        host = sum(s[1] - s[2] for s in chosen)
+        cpu = sum(s[3] for s in chosen)
+        out[kind] = {"steps": len(chosen), "tokens": sum(s[4] for s in chosen),
+                     "busy_s": round(sum(s[1] for s in chosen), 3), "host_s": round(host, 3),
+                     "cpu_s": round(cpu, 3), "not_running_s": round(host - cpu, 3),
+                     "beside_shard_work": sum(
+                         1 for s in chosen if any(w[2] < s[0] and w[3] > s[0] - s[1]
+                                                  for w in work))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("directory")
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--json", action="store_true", help="print the records as JSON")
     args = p.parse_args(argv)
-    records = {}
+    records, processes = {}, {}
     for path in sorted(Path(args.directory).glob("trace-*.json")):
         trace = json.loads(path.read_text())
         records[path.name] = summarise(trace, args.max_num_seqs)
+        processes[path.name] = summarise_process(trace, args.max_num_seqs)
     if args.json:
-        print(json.dumps(records, indent=1))
-        return records
+        print(json.dumps({"batches": records, "processes": processes}, indent=1))
+        return {"batches": records, "processes": processes}
     print(f"{'file':18} {'batch s':>7} {'rows':>5} {'decode':>6} {'host ms':>7} {'cpu ms':>6} "
           f"{'wait ms':>7} {'prefill':>7} {'host s':>6} {'beside':>6} {'gc ms':>6}")
     for name, batches in records.items():
@@ -70,7 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{b['decode_host_ms']:7.2f} {b['decode_cpu_ms']:6.2f} {b['decode_wait_ms']:7.2f} "
                   f"{b['prefill_steps']:7d} {b['prefill_host_s']:6.3f} "
                   f"{b['decode_steps_beside_shard_work']:6d} {b['gc_ms']:6.1f}")
-    return records
+    print(f"\n{'file':18} {'window s':>8} {'steps':>13} {'busy s':>6} {'host s':>6} "
+          f"{'cpu s':>6} {'not running s':>13} {'beside shard work':>17} {'shard work s':>12}")
+    for name, proc in processes.items():
+        for kind in ("decode", "prefill") if proc else ():
+            k = proc[kind]
+            print(f"{name:18} {proc['seconds']:8.3f} {k['steps']:5d} {kind:7} {k['busy_s']:6.3f} "
+                  f"{k['host_s']:6.3f} {k['cpu_s']:6.3f} {k['not_running_s']:13.3f} "
+                  f"{k['beside_shard_work']:17d} {proc['shard_work_s']:12.3f}")
+    return {"batches": records, "processes": processes}
 
 
 if __name__ == "__main__":
