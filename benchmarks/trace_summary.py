@@ -22,18 +22,33 @@ from pathlib import Path
 SHARD_WORK = ("prepare", "build", "write")
 
 
+def _shard_work(events: list) -> list:
+    """The shard threads' Python work (the first shard's prefetch, during startup, aside)."""
+    return [e for e in events if e[0] in SHARD_WORK and e[1] != "shard-prefetch"]
+
+
+def _split(steps: list, start: float, end: float, max_decode_tokens: int) -> tuple[list, list]:
+    """The steps that ended within ``[start, end]`` and computed tokens: (decode, prefill)."""
+    inside = [s for s in steps if start <= s[0] <= end + 1e-3 and s[4] > 0]
+    return ([s for s in inside if s[4] <= max_decode_tokens],
+            [s for s in inside if s[4] > max_decode_tokens])
+
+
+def _beside(steps: list, work: list) -> list:
+    """The steps (end, seconds, ...) that overlapped a span of ``work``."""
+    return [s for s in steps if any(w[2] < s[0] and w[3] > s[0] - s[1] for w in work)]
+
+
 def summarise(trace: dict, max_decode_tokens: int) -> list[dict]:
     """One record per batch of ``trace`` (a loaded trace file). A step computing at most
     ``max_decode_tokens`` tokens counts as a decode step (the engine's max_num_seqs)."""
     steps, events = trace["steps"], trace["events"]
-    work = [e for e in events if e[0] in SHARD_WORK and e[1] != "shard-prefetch"]
+    work = _shard_work(events)
     out = []
     for batch in (e for e in events if e[0] == "batch"):
         start, end = batch[2], batch[3]
-        inside = [s for s in steps if start <= s[0] <= end + 1e-3 and s[4] > 0]
-        decode = [s for s in inside if s[4] <= max_decode_tokens]
-        prefill = [s for s in inside if s[4] > max_decode_tokens]
-        beside = [s for s in decode if any(w[2] < s[0] and w[3] > s[0] - s[1] for w in work)]
+        decode, prefill = _split(steps, start, end, max_decode_tokens)
+        beside = _beside(decode, work)
         collections = [e for e in events if e[0] == "gc" and start <= e[2] <= end]
 
         def mean_ms(values: list[float]) -> float:
@@ -60,21 +75,17 @@ def summarise_process(trace: dict, max_decode_tokens: int) -> dict:
     if not batches:
         return {}
     start, end = min(b[2] for b in batches), max(b[3] for b in batches)
-    inside = [s for s in steps if start <= s[0] <= end + 1e-3 and s[4] > 0]
-    work = [e for e in events if e[0] in SHARD_WORK and e[1] != "shard-prefetch"
-            and e[3] > start and e[2] < end]
+    work = [w for w in _shard_work(events) if w[3] > start and w[2] < end]
     out: dict = {"seconds": round(end - start, 3),
                  "shard_work_s": round(sum(w[3] - w[2] for w in work), 3)}
-    for kind, chosen in (("decode", [s for s in inside if s[4] <= max_decode_tokens]),
-                         ("prefill", [s for s in inside if s[4] > max_decode_tokens])):
+    for kind, chosen in zip(("decode", "prefill"),
+                            _split(steps, start, end, max_decode_tokens)):
         host = sum(s[1] - s[2] for s in chosen)
         cpu = sum(s[3] for s in chosen)
         out[kind] = {"steps": len(chosen), "tokens": sum(s[4] for s in chosen),
                      "busy_s": round(sum(s[1] for s in chosen), 3), "host_s": round(host, 3),
                      "cpu_s": round(cpu, 3), "not_running_s": round(host - cpu, 3),
-                     "beside_shard_work": sum(
-                         1 for s in chosen if any(w[2] < s[0] and w[3] > s[0] - s[1]
-                                                  for w in work))}
+                     "beside_shard_work": len(_beside(chosen, work))}
     return out
 
 
@@ -89,9 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
         trace = json.loads(path.read_text())
         records[path.name] = summarise(trace, args.max_num_seqs)
         processes[path.name] = summarise_process(trace, args.max_num_seqs)
+    report = {"batches": records, "processes": processes}
     if args.json:
-        print(json.dumps({"batches": records, "processes": processes}, indent=1))
-        return {"batches": records, "processes": processes}
+        print(json.dumps(report, indent=1))
+        return report
     print(f"{'file':18} {'batch s':>7} {'rows':>5} {'decode':>6} {'host ms':>7} {'cpu ms':>6} "
           f"{'wait ms':>7} {'prefill':>7} {'host s':>6} {'beside':>6} {'gc ms':>6}")
     for name, batches in records.items():
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:18} {proc['seconds']:8.3f} {k['steps']:5d} {kind:7} {k['busy_s']:6.3f} "
                   f"{k['host_s']:6.3f} {k['cpu_s']:6.3f} {k['not_running_s']:13.3f} "
                   f"{k['beside_shard_work']:17d} {proc['shard_work_s']:12.3f}")
-    return {"batches": records, "processes": processes}
+    return report
 
 
 if __name__ == "__main__":

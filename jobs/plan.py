@@ -92,7 +92,7 @@ def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
     """A note for a job whose shards are too small to fill an engine, else None: a
     deterministic job's shards run alone (the engine runs at most a shard's rows at once);
     shards that share the engine fill it up to ``MAX_SHARDS_IN_FLIGHT`` of them."""
-    n = int(config.sampling_params.get("n") or 1)
+    n = _default_n(config)
     seqs = _max_num_seqs(config)
     rows = config.rows_per_shard
     enough = _engine_rows(config)
@@ -114,7 +114,12 @@ def underfilled_engine(config: JobConfig, total_rows: int) -> str | None:
 def _engine_rows(config: JobConfig) -> int:
     """Input rows that fill an engine: its ``max_num_seqs`` sequences over the job's default
     ``n`` (rows asking for more samples fill it sooner)."""
-    return -(-_max_num_seqs(config) // int(config.sampling_params.get("n") or 1))
+    return -(-_max_num_seqs(config) // _default_n(config))
+
+
+def _default_n(config: JobConfig) -> int:
+    """The samples a row asks for unless its own params say otherwise."""
+    return int(config.sampling_params.get("n") or 1)
 
 
 def _max_num_seqs(config: JobConfig) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from tests.actors.helpers import load_benchmark
 
+
 @pytest.fixture(scope="module")
 def e2e_bench():
     return load_benchmark("e2e_bench")
