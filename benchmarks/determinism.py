@@ -84,7 +84,7 @@ def compare(alone, batched) -> dict:
 
 
 def run_setting(path: str, name: str, vocab: int, invariant: bool, args) -> dict:
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     _, batch, *_ = WORKLOADS[name]
     engine = Engine(path, {"dtype": args.dtype, "max_num_seqs": batch,

@@ -231,8 +231,8 @@ def frozen_heap():
 
 
 def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
-    from actors.engine import Engine
-    from actors.step_timer import StepTimer
+    from actors.engine.llm_engine import Engine
+    from actors.engine.step_timer import StepTimer
     from sampler import SamplingParams
 
     n, prompt_len = prompts.shape
@@ -255,8 +255,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     # batch of it: each combination of params the steps will see compiles its kernels)
     warm = [p.replace(max_tokens=8) for p in (params if args.mix == "job" else params[:4])]
     engine.generate([(f"w{i}", prompts[i, :16].tolist(), w) for i, w in enumerate(warm)])
-    timer = StepTimer() if DEVICE == "cuda" else None
-    engine.executor.timer = timer
+    timer = StepTimer().attach(engine) if DEVICE == "cuda" else None
     with frozen_heap():
         sync()
         t0 = time.perf_counter()
@@ -272,7 +271,8 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         timing = {**timer.summary(), "num_steps": len(timer.steps),
                   **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()
                      if k != "largest_gaps"}}
-    engine.executor.timer = None
+    if timer is not None:
+        timer.detach()
     info = engine.info()
     extra = {}
     for top_p in args.extra_top_p:  # the same engine, other sampling settings
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="measure the ceilings and each workload's floors only (no models)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-fused-layers", action="store_true",
-                   help="the model's own RMSNorm / rotary / SiLU code (no actors.kernels)")
+                   help="the model's own RMSNorm / rotary / SiLU code (no actors.engine.model.kernels)")
     p.add_argument("--sampler-chunked", action="store_true",
                    help="the Triton sampler's chunked pipeline (sampler.kernels.chunked)")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")

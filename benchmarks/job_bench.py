@@ -199,11 +199,11 @@ def bare_stage(args) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from actors.engine import Engine
-    from actors.profiling import LoopProfile
+    from actors.engine.llm_engine import Engine
+    from actors.engine.profiling import LoopProfile
     from actors.rows import prepare_requests, read_rows, row_ids
     from jobs.config import JobConfig
-    from jobs.inputs import discover
+    from jobs.sources import discover
     from jobs.plan import Shard, make_task
     from jobs.runner import engine_options
     from jobs.storage import resolve
@@ -255,7 +255,7 @@ def bare_stage(args) -> None:
         elapsed = time.perf_counter() - t0
         spent = engine.counters.since(before)
     profile.dump()
-    from actors import profiling
+    from actors.engine import profiling
 
     if profiling.trace is not None:  # RAYGEN_TRACE_DIR: the bare run's steps, as the actors'
         profiling.span("batch", time.time() - elapsed, len(requests))

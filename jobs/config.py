@@ -61,7 +61,7 @@ class JobConfig:
         max_shard_attempts: attempts per shard before its rows are written as error rows.
         ray_address: None = the cluster in ``RAY_ADDRESS`` or an already connected one, else a
             new local Ray on 127.0.0.1; ``"local"`` = always that local Ray.
-        engine: ``actors.engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
+        engine: ``actors.engine.llm_engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
         trust_remote_code: passed to transformers; off unless set.
         deterministic: True (default): each actor runs one shard at a time on its engine,
             all of the shard's requests admitted together on a fresh prefix cache, so a

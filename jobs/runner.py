@@ -13,12 +13,12 @@ import os
 import time
 from typing import Any
 
-from actors.shard import ShardResult
+from actors.contract.task import ShardResult
 from jobs.config import ConfigLike, JobConfig, load_config
-from jobs.inputs import discover
 from jobs.manifest import Manifest
 from jobs.plan import fill_rows, make_task, plan_document, plan_shards, underfilled_engine
 from jobs.progress import JobResult, Progress, totals
+from jobs.sources import discover
 from jobs.storage import resolve
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def engine_options(config: JobConfig) -> dict[str, Any]:
     unknown or invalid key), with the job's ``trust_remote_code``, ``seed`` and, for CPU
     actors, ``device: cpu`` filled in. Shipped to the actors as a mapping: device and dtype
     defaults resolve where the engine runs, not on the driver."""
-    from actors.config import EngineConfig
+    from actors.engine.config import EngineConfig
 
     values = dict(config.engine)
     values.setdefault("trust_remote_code", config.trust_remote_code)

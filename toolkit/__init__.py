@@ -11,7 +11,7 @@ from toolkit.generate import generate  # noqa: E402,F401
 # Everything else loads on first access (module __getattr__, PEP 562).
 _LAZY = {
     "SamplingParams": "sampler.params",
-    "GenerationOutput": "actors.outputs",
+    "GenerationOutput": "actors.engine.generation_output",
     "JobConfig": "jobs.config",
     "JobResult": "jobs.progress",
     "run_job": "jobs.runner",

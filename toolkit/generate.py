@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from actors.engine import Engine
-    from actors.outputs import GenerationOutput
+    from actors.engine.generation_output import GenerationOutput
+    from actors.engine.llm_engine import Engine
 
 _cache_lock = threading.Lock()
 _cached: tuple[str, Engine] | None = None
@@ -29,8 +29,8 @@ def _normalise_prompts(prompts: Any) -> list[Any]:
 def _engine_for(model: str, engine_options: dict[str, Any]) -> Engine:
     """The engine for (model, options): reused while the same pair is asked for."""
     global _cached
-    from actors.config import EngineConfig
-    from actors.engine import Engine
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import Engine
 
     config = EngineConfig.from_dict(engine_options)
     key = json.dumps([str(model), config.to_dict()], sort_keys=True, default=str)

@@ -1,0 +1,227 @@
+"""Assembles an engine's parts from an ``EngineConfig``: model, KV pool, attention backend,
+model runner, block manager, scheduler, sampler, input and output processors."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actors.engine.block_manager import BlockManager
+from actors.engine.config import EngineConfig
+from actors.engine.model.attention import (
+    AttentionMetadata,
+    StepContext,
+    get_attention_backend,
+    resolve_backend_name,
+)
+from actors.engine.model.attention.torch_backend import TorchAttentionBackend
+from actors.engine.model.kv_cache import KVCache, bytes_per_block, compute_num_blocks
+from actors.engine.model.loader import LoadedModel, PhaseTimer, UnsupportedModelError, load_model
+from actors.engine.model.runner import ModelRunner
+from actors.engine.output_processor import OutputProcessor
+from actors.engine.request_builder import InputProcessor
+from actors.engine.scheduler import Scheduler
+from sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_MAX_MODEL_LEN = 4096
+# device memory kept out of the KV budget for kernel workspaces and CUDA-graph pools
+_CUDA_WORKSPACE_RESERVE = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineParts:
+    loaded: LoadedModel
+    max_model_len: int
+    kv_cache: KVCache
+    runner: ModelRunner
+    scheduler: Scheduler
+    sampler: Sampler
+    inputs: InputProcessor
+    outputs: OutputProcessor
+    # seconds of each build phase: the loading phases of LoadedModel.phases
+    # (transformers_import, model_config, cuda_init, model_weights, tokenizer), fused_layers,
+    # kv_cache (profiling step memory and allocating the pool), attention (probe + backend),
+    # cuda_graphs (capture), rest
+    startup: dict[str, float] = field(default_factory=dict)
+
+
+def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
+    """Loads ``model`` and builds everything an engine needs."""
+    phases = PhaseTimer()
+    loaded = load_model(model, config)
+    phases.add(loaded.phases)
+    max_model_len = config.max_model_len or loaded.max_position_embeddings \
+        or _DEFAULT_MAX_MODEL_LEN
+    bs = config.block_size
+    device = loaded.device
+    backend_name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
+                                        loaded.head_dim)
+    use_graphs = resolve_cuda_graphs(config, device, backend_name)
+    fused = None
+    if resolve_fused_layers(config, device):
+        from actors.engine.model.fused_layers import install_fused_layers
+
+        fused = install_fused_layers(loaded.model)
+        phases.mark("fused_layers")
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        reserved = 0
+        if device.type == "cuda" and config.kv_cache_memory is None:
+            reserved = profile_step_memory(loaded, config, fused) + _CUDA_WORKSPACE_RESERVE
+        num_blocks = compute_num_blocks(
+            per_block=bytes_per_block(loaded.num_layers, bs, loaded.num_kv_heads,
+                                      loaded.head_dim, loaded.dtype),
+            device=device, block_size=bs, max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization, reserved=reserved)
+    if num_blocks * bs < max_model_len:
+        raise ValueError(
+            f"engine: {num_blocks} KV blocks of {bs} tokens cannot hold one sequence of "
+            f"max_model_len={max_model_len}; lower max_model_len or raise num_kv_blocks")
+    kv_cache = KVCache(loaded.num_layers, num_blocks, bs, loaded.num_kv_heads,
+                       loaded.head_dim, loaded.dtype, device,
+                       num_scratch_blocks=1 if use_graphs else 0)
+    phases.mark("kv_cache")
+    reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
+                                      loaded.head_dim)
+    runner = ModelRunner(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
+                         max_model_len=max_model_len, fused=fused)
+    layer_specs = probe_attention_layers(runner)
+    if backend_name != "torch":
+        runner.set_backend(get_attention_backend(
+            backend_name, kv_cache, num_heads=loaded.num_heads,
+            num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim,
+            layer_specs=layer_specs, max_model_len=max_model_len))
+    phases.mark("attention")
+    if use_graphs:
+        from actors.engine.model.cuda_graphs import DecodeGraphs, default_buckets
+
+        max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs,
+                        config.max_num_seqs)
+        graphs = DecodeGraphs(runner, default_buckets(max_batch), kv_cache.scratch_page)
+        graphs.capture(max_pages=max_batch * -(-max_model_len // bs))
+        runner.graphs = graphs
+        phases.mark("cuda_graphs")
+    scheduler = Scheduler(
+        BlockManager(num_blocks, bs, config.enable_prefix_caching),
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len, batch_invariant=config.batch_invariant)
+    sampler = Sampler(config.max_num_seqs, loaded.vocab_size, device=device,
+                      eos_token_ids=[t for t in loaded.eos_token_ids if t < loaded.vocab_size],
+                      max_logprobs=config.max_logprobs, backend=config.sampler_backend)
+    inputs = InputProcessor(
+        loaded.tokenizer, vocab_size=loaded.vocab_size, eos_token_ids=loaded.eos_token_ids,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        max_logprobs=config.max_logprobs, num_kv_blocks=num_blocks, block_size=bs,
+        base_seed=config.seed)
+    outputs = OutputProcessor(loaded.tokenizer, max_model_len=max_model_len,
+                              vocab_size=loaded.vocab_size)
+    phases.mark("rest")
+    return EngineParts(loaded, max_model_len, kv_cache, runner, scheduler, sampler, inputs,
+                       outputs, phases.seconds)
+
+
+def _cuda_feature(name: str, wanted: bool | None, device: torch.device,
+                  missing: str | None) -> bool:
+    """Whether an on-by-default CUDA feature runs: never when turned off; off another device
+    (an error when asked for explicitly); off with a warning when ``missing`` says why it
+    cannot run here."""
+    if wanted is False:
+        return False
+    if device.type != "cuda":
+        if wanted:
+            raise ValueError(f"engine.{name}: needs a CUDA device")
+        return False
+    if missing is not None:
+        logger.warning("%s off: %s", name, missing)
+        return False
+    return True
+
+
+def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
+    missing = None if importlib.util.find_spec("triton") else "triton is not installed"
+    return _cuda_feature("fused_layers", config.fused_layers, device, missing)
+
+
+def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:
+    """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend)."""
+    missing = None if backend_name == "flashinfer" else (
+        f"they need the flashinfer attention backend (attention backend is {backend_name})")
+    return _cuda_feature("cuda_graphs", config.cuda_graphs, device, missing)
+
+
+def _one_token_metadata(num_seqs: int, device: torch.device, block_size: int
+                        ) -> AttentionMetadata:
+    """``num_seqs`` sequences of one token at position 0, all on page 0, slot 0."""
+    return AttentionMetadata(
+        num_seqs=num_seqs, num_tokens=num_seqs, max_query_len=1, max_seq_len=1,
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((num_seqs, 1), dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device=device),
+        positions=torch.zeros(num_seqs, dtype=torch.int64, device=device),
+        query_start_loc_host=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens_host=np.ones(num_seqs, np.int32),
+        block_tables_host=np.zeros((num_seqs, 1), np.int32), block_size=block_size)
+
+
+@torch.no_grad()
+def profile_step_memory(loaded: LoadedModel, config: EngineConfig, fused=None) -> int:
+    """Peak device bytes one step needs beyond the weights (CUDA): a warm-up forward of
+    ``max_num_batched_tokens`` tokens (torch attention over a one-page pool, an upper bound for
+    the paged kernels), the LM head on ``max_num_seqs`` rows and a float32 copy of those
+    logits, plus ``max_num_seqs * vocab * 12`` bytes for the sampler's sort (values and ids)."""
+    device = loaded.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    cache = KVCache(loaded.num_layers, 1, config.block_size, loaded.num_kv_heads,
+                    loaded.head_dim, loaded.dtype, device)
+    backend = TorchAttentionBackend(cache, loaded.num_heads, loaded.num_kv_heads,
+                                    loaded.head_dim)
+    runner = ModelRunner(loaded, cache, backend, fused=fused)
+    tokens = config.max_num_batched_tokens
+    metadata = _one_token_metadata(tokens, device, config.block_size)
+    ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+    hidden = runner.forward(ids, ids, StepContext(backend, metadata, backend.plan(metadata)))
+    rows = min(config.max_num_seqs, tokens)
+    logits = runner.compute_logits(hidden[:rows]).float()
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del cache, backend, runner, hidden, logits
+    torch.cuda.empty_cache()
+    sampler = config.max_num_seqs * loaded.vocab_size * 12
+    logger.info("warm-up forward of %d tokens: peak %.1f MiB beyond the weights (+%.1f MiB "
+                "sampler estimate)", tokens, peak / 2**20, sampler / 2**20)
+    return peak + sampler
+
+
+@torch.no_grad()
+def probe_attention_layers(runner: ModelRunner) -> dict[int, tuple[int | None, float]]:
+    """Runs one token through the model (torch reference attention over the runner's pool)
+    and checks that every layer's attention went through our function exactly once; refuses
+    the model otherwise (hybrid or custom attention). Returns each layer's
+    ``(sliding_window, scaling)`` as the model passed them."""
+    backend = TorchAttentionBackend(runner.kv_cache, runner.loaded.num_heads,
+                                    runner.loaded.num_kv_heads, runner.loaded.head_dim)
+    metadata = _one_token_metadata(1, runner.device, runner.block_size)
+    ctx = StepContext(backend, metadata, backend.plan(metadata), layers_called=[],
+                      layer_specs={})
+    ids = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    runner.forward(ids, ids, ctx)
+    expected = list(range(runner.loaded.num_layers))
+    if sorted(ctx.layers_called) != expected:
+        raise UnsupportedModelError(
+            f"{runner.loaded.architecture}: its attention layers do not all go through "
+            f"transformers' attention-function registry (layers seen: {ctx.layers_called}, "
+            f"expected {expected}); it cannot run on the paged KV cache")
+    runner.kv_cache.pool.zero_()
+    return ctx.layer_specs
