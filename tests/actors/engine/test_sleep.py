@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.actors.helpers import make_engine, random_prompts
-from tests.actors.test_weights import GREEDY, greedy_outputs, no_disk_reads
+from tests.actors.engine.test_weights import GREEDY, greedy_outputs, no_disk_reads
 
 
 @pytest.fixture(scope="module")
