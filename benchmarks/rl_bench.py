@@ -1,6 +1,6 @@
 """RL figures: weight-update time, memory freed by sleep(), raw-logprob parity with HF.
 
-    python benchmarks/rl_bench.py --out docs/benchmarks                    # GPU, every mode
+    python benchmarks/rl_bench.py --out docs/records                       # GPU, every mode
     python benchmarks/rl_bench.py --modes update --workloads llama3-8b     # one mode / model
     python benchmarks/rl_bench.py --workloads tiny --transport local --out /tmp/rl  # CPU smoke
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--transport", choices=("ray", "local"), default="ray")
     parser.add_argument("--dtype", default="bfloat16" if DEVICE == "cuda" else "float32")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default="docs/benchmarks")
+    parser.add_argument("--out", default="docs/records")
     parser.add_argument("--tmp", default=None, help="where the random models are saved")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

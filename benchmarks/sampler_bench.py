@@ -17,7 +17,7 @@ the same logits (top-k 50, top-p 0.9) as a reference column.
 
     python benchmarks/sampler_bench.py --device cpu
     python benchmarks/sampler_bench.py --device cuda --batch-sizes 1,32,256 \
-        --vocab-sizes 32000,151936 --json docs/sampler_bench_h200.json
+        --vocab-sizes 32000,151936 --json docs/records/sampler_bench_h200.json
 
 Backends are columns: each entry of ``BACKENDS`` builds a Sampler for one backend ("flashinfer"
 is our whole pipeline on the FlashInfer backend; its records count the steps that fell back);

@@ -43,7 +43,7 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
 
 @dataclass(slots=True)
 class JobConfig:
-    """A batch generation job (see DESIGN.md, "JobConfig").
+    """A batch generation job (see docs/design.md, "JobConfig").
 
     Args:
         model: local model directory or hub id (anything ``transformers`` loads).

@@ -1,4 +1,4 @@
-"""``sample_logits``: the stateless entry point (SAMPLER_SPEC §0), on the Sampler's own ops.
+"""``sample_logits``: the stateless entry point (docs/sampler.md §0), on the Sampler's own ops.
 
 It builds a throw-away per-row state (one slot per row) from the lists it is given and runs
 the same pipeline as :class:`~sampler.sampler.Sampler`, so both give the same results on the

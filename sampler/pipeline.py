@@ -1,4 +1,4 @@
-"""The sampling pipeline of SAMPLER_SPEC §2 over a batch, on the torch ops.
+"""The sampling pipeline of docs/sampler.md §2 over a batch, on the torch ops.
 
 One ordered pass; each step runs only when the host-side :class:`~sampler.plan.StepPlan` says
 a row needs it. Float32 logits are the working buffer when ``inplace`` (the engine's case);

@@ -1,4 +1,4 @@
-"""Prompt logprobs (SAMPLER_SPEC §3), computed in bounded chunks of rows.
+"""Prompt logprobs (docs/sampler.md §3), computed in bounded chunks of rows.
 
 Prompt position i (i >= 1) holds log P(prompt[i] | prompt[:i]): the caller passes the logits
 of positions 0..n-2 with the targets prompt[1..n-1] (position 0 has no value). The values come

@@ -1,4 +1,4 @@
-"""The slow, obviously-correct oracle: SAMPLER_SPEC §2–3 one row at a time.
+"""The slow, obviously-correct oracle: docs/sampler.md §2–3 one row at a time.
 
 Plain Python loops over token sets and numpy float32 element arithmetic (IEEE single, the same
 rounding as the float32 kernels); transcendental functions (exp, log_softmax, cumsum) and the

@@ -1,4 +1,4 @@
-"""The Arrow schema of the output Parquet (DESIGN.md, "Output schema") and outputs -> Arrow.
+"""The Arrow schema of the output Parquet (docs/design.md, "Output schema") and outputs -> Arrow.
 
 One row per (prompt, sample). The generated columns come first, in the order of the schema
 table, then every passthrough input column with its input type.

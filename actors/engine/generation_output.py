@@ -11,7 +11,7 @@ import numpy as np
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
-#: The attributes that map one-to-one onto the Parquet output columns (DESIGN.md).
+#: The attributes that map one-to-one onto the Parquet output columns (docs/design.md).
 SCHEMA_FIELDS: tuple[str, ...] = (
     "id",
     "sample_index",

@@ -1,5 +1,5 @@
 """Host side of a finished step: record sampled tokens and logprobs, detokenize, check the
-stop conditions of SAMPLER_SPEC §4, and build ``GenerationOutput`` rows."""
+stop conditions of docs/sampler.md §4, and build ``GenerationOutput`` rows."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Passes over a row (each reads the row's bf16/fp16/fp32 logits; later passes most
 2. selection (only rows with top-k / top-p, and rows asking for top-k logprobs): histogram
    passes narrowing the boundary bin, then a gather pass into a scratch list of at most
    ``CAP`` candidates, sorted exactly; top-k takes the k-th value, top-p the tie-extended
-   prefix whose strictly-greater mass is ``< p`` of the mass kept by top-k (SAMPLER_SPEC §2);
+   prefix whose strictly-greater mass is ``< p`` of the mass kept by top-k (docs/sampler.md §2);
 3. the draw: Gumbel-max over the kept candidates when they were all gathered, else pass 1's
    draw when every finite value is kept, else one pass over the row; a draw pass computes the
    noise's logarithms only for tiles that could hold the winner (:func:`_draw_tile`); greedy
@@ -347,7 +347,7 @@ def _read_cands(cand, n, CAP: tl.constexpr):
 def _top_p_within(vals, keep, m_s, top_p):
     """The top-p boundary value over the kept candidates ``vals[keep]`` (sorted descending,
     ``keep`` a prefix): the last value of the tie-extended prefix whose strictly-greater mass
-    is ``< p`` of the kept mass (SAMPLER_SPEC section 2)."""
+    is ``< p`` of the kept mass (docs/sampler.md §2)."""
     ii = tl.arange(0, vals.shape[0])
     e = tl.where(keep, _exp(vals - m_s), 0.0)
     c = tl.cumsum(e, 0)
@@ -521,7 +521,7 @@ def _draw_then_verify(
     ``x`` is kept it is exactly the draw over the kept set (same noise, same tie rule). ``x``
     is kept by top-k iff fewer than k survivors are strictly greater; by top-p iff it is the
     largest, or the mass strictly above it is ``< p`` of the mass top-k keeps (the
-    tie-extended prefix rule of SAMPLER_SPEC section 2). With both on, that mass is known
+    tie-extended prefix rule of docs/sampler.md §2). With both on, that mass is known
     here only when top-k keeps every survivor (at most k of them). The kept set lies strictly
     above a rejected draw, so the next draw is over the survivors above it (same noise): each
     later pass verifies one draw and makes the next. Returns (token, kept); a row that is not

@@ -1,4 +1,4 @@
-"""Sampled-token logprobs in two fixed modes at once (SAMPLER_SPEC §3), for RL rollouts.
+"""Sampled-token logprobs in two fixed modes at once (docs/sampler.md §3), for RL rollouts.
 
 A row's ``logprobs`` output carries one value in the row's own ``logprobs_mode``. RL callers
 often want the sampled token's value under two fixed definitions, whatever that mode is:

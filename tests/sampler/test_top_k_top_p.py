@@ -1,4 +1,4 @@
-"""Kept sets of top-k / top-p / min-p equal the oracle exactly (SAMPLER_SPEC §2 steps 9–11)."""
+"""top-k / top-p / min-p kept sets equal the oracle's exactly (docs/sampler.md §2 steps 9–11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Each stop condition of SAMPLER_SPEC §4 through the engine: max_tokens, EOS (and
+"""Each stop condition of docs/sampler.md §4 through the engine: max_tokens, EOS (and
 ignore_eos), stop token ids, min_tokens, stop strings (split across tokens, truncated or
 included), and the model length."""
 

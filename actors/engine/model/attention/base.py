@@ -16,7 +16,7 @@ import torch
 
 from actors.engine.model.attention.metadata import AttentionMetadata
 
-#: Name under which the attention function is registered (a plain name: see ENGINE_NOTES).
+#: Name under which the attention function is registered (a plain name: docs/engine.md §1).
 ATTENTION_NAME = "raygen_paged"
 #: The forward keyword that carries the StepContext down to every attention layer.
 STEP_KWARG = "raygen_step"
