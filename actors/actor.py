@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.generation_output import GenerationOutput
 
 logger = logging.getLogger(__name__)

@@ -201,7 +201,8 @@ def bare_stage(args) -> None:
 
     from actors.engine.llm_engine import Engine
     from actors.engine.profiling import LoopProfile
-    from actors.rows import prepare_requests, read_rows, row_ids
+    from actors.contract.shard_io import read_rows, row_ids
+    from actors.rows import prepare_requests
     from jobs.config import JobConfig
     from jobs.sources import discover
     from jobs.plan import Shard, make_task

@@ -124,7 +124,7 @@ def _default_n(config: JobConfig) -> int:
 
 def _max_num_seqs(config: JobConfig) -> int:
     """The engine's ``max_num_seqs`` (the largest ``n`` a row may ask for)."""
-    from actors.engine.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
 
     default = next(f.default for f in dataclasses.fields(EngineConfig)
                    if f.name == "max_num_seqs")

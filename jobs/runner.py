@@ -29,7 +29,7 @@ def engine_options(config: JobConfig) -> dict[str, Any]:
     unknown or invalid key), with the job's ``trust_remote_code``, ``seed`` and, for CPU
     actors, ``device: cpu`` filled in. Shipped to the actors as a mapping: device and dtype
     defaults resolve where the engine runs, not on the driver."""
-    from actors.engine.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
 
     values = dict(config.engine)
     values.setdefault("trust_remote_code", config.trust_remote_code)

@@ -29,7 +29,7 @@ def _normalise_prompts(prompts: Any) -> list[Any]:
 def _engine_for(model: str, engine_options: dict[str, Any]) -> Engine:
     """The engine for (model, options): reused while the same pair is asked for."""
     global _cached
-    from actors.engine.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
     from actors.engine.llm_engine import Engine
 
     config = EngineConfig.from_dict(engine_options)

@@ -45,7 +45,7 @@ class RolloutPool:
                  num_gpus_per_actor: float = 1, num_cpus_per_actor: float = 1,
                  logprob_columns: Sequence[str] = DEFAULT_COLUMNS,
                  ray_address: str | None = None):
-        from actors.engine.config import EngineConfig
+        from actors.engine.engine_config import EngineConfig
         from actors.rollout_table import canonical_columns
         from jobs.cluster import check_resources, connect
 

@@ -3,5 +3,5 @@ manager, sequences, request building, output processing, weights and sleep live 
 model's execution on the device (runner, loader, KV cache, CUDA graphs, fused layers,
 attention backends) in :mod:`actors.engine.model`. Nothing here imports the worker side.
 
-Importing this package imports nothing heavy: the driver reads :mod:`actors.engine.config`.
+Importing this package imports nothing heavy: the driver reads :mod:`actors.engine.engine_config`.
 """

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from actors.engine.block_manager import BlockManager
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.model.attention import (
     AttentionMetadata,
     StepContext,
@@ -21,7 +21,7 @@ from actors.engine.model.attention import (
 from actors.engine.model.attention.torch_backend import TorchAttentionBackend
 from actors.engine.model.kv_cache import KVCache, bytes_per_block, compute_num_blocks
 from actors.engine.model.loader import LoadedModel, PhaseTimer, UnsupportedModelError, load_model
-from actors.engine.model.runner import ModelRunner
+from actors.engine.model.model_runner import ModelRunner
 from actors.engine.output_processor import OutputProcessor
 from actors.engine.request_builder import InputProcessor
 from actors.engine.scheduler import Scheduler

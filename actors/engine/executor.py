@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from actors.engine.model.runner import ModelRunner
+from actors.engine.model.model_runner import ModelRunner
 from actors.engine.scheduler import SchedulerOutput
 from actors.engine.sequence import PENDING, Request, Sequence
 from sampler import AsyncOutput, Sampler, SamplerOutput, compute_prompt_logprobs

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 from actors.engine import profiling
 from actors.engine.builder import EngineParts, build_engine_parts
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.executor import InflightStep, StepExecutor
 from actors.engine.generation_output import GenerationOutput
 from actors.engine.sequence import Request, Sequence

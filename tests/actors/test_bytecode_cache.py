@@ -82,7 +82,7 @@ def test_an_actors_constructor_arguments_unpickle_without_the_engine_modules(tmp
     import pyarrow as pa
     import pyarrow.fs as pafs
 
-    from actors.engine.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
     from actors.shard import ShardTask
 
     fs = pafs.LocalFileSystem()

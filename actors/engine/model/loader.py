@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.model.attention import ATTENTION_NAME, register_attention
 
 logger = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ def test_prefill_chunks_run_alone_only_when_asked(invariant, tiny_llama, hf_refe
 
 
 def test_option_is_checked():
-    from actors.engine.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
 
     assert EngineConfig().batch_invariant is False
     with pytest.raises(ValueError, match="engine.batch_invariant"):

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from actors.engine.config import EngineConfig  # noqa: E402
+from actors.engine.engine_config import EngineConfig  # noqa: E402
 from actors.engine.model.fused_layers import install_fused_layers  # noqa: E402
 from actors.engine.model.kernels.rms_norm import rms_norm, rms_norm_torch  # noqa: E402
 from actors.engine.model.kernels.rotary import apply_rotary, apply_rotary_torch  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.llm_engine import Engine
 from actors.engine.model.loader import ATTENTION_NAME, UnsupportedModelError, load_model
 

@@ -10,7 +10,7 @@ import torch
 from actors.engine.model.attention import get_attention_backend, resolve_backend_name
 from actors.engine.model.attention.csr import build_csr
 from actors.engine.model.block_table import BlockTableMirror
-from actors.engine.config import EngineConfig
+from actors.engine.engine_config import EngineConfig
 from actors.engine.model.cuda_graphs import default_buckets
 from actors.engine.model.kv_cache import KVCache
 from actors.engine.model.staging import Staging
