@@ -32,6 +32,8 @@ __all__ = [
 
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
+#: (key width, value width) FlashInfer's kernels are used for: equal widths, and MLA's 192/128
+_SUPPORTED_DIMS = {(d, d) for d in _SUPPORTED_HEAD_DIMS} | {(192, 128)}
 _logged: set[tuple[str, str]] = set()
 
 
@@ -52,9 +54,10 @@ _FLASHINFER: bool | None = None
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
-                         head_dim: int) -> str:
-    """The concrete backend for ``name``: "auto" picks FlashInfer on CUDA for bf16/fp16 and a
-    supported head_dim when it is installed, else the torch reference (logged once)."""
+                         head_dim: int, *, value_dim: int | None = None) -> str:
+    """The concrete backend for ``name``: "auto" picks FlashInfer on CUDA for bf16/fp16 and
+    supported key/value widths (``head_dim`` / ``value_dim``) when it is installed, else the
+    torch reference (logged once)."""
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"engine.attention_backend: unknown backend {name!r}")
     if name == "flashinfer":
@@ -74,8 +77,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         reason = "not on CUDA"
     elif dtype not in (torch.bfloat16, torch.float16):
         reason = f"dtype {dtype}"
-    elif head_dim not in _SUPPORTED_HEAD_DIMS:
-        reason = f"head_dim {head_dim}"
+    elif (head_dim, value_dim or head_dim) not in _SUPPORTED_DIMS:
+        reason = f"key/value widths {head_dim}/{value_dim or head_dim}"
     elif not flashinfer_available():
         reason = "flashinfer is not installed"
     chosen = "torch" if reason else "flashinfer"

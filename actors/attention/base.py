@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -28,7 +28,10 @@ class AttentionBackend(abc.ABC):
     The contract of ``forward``: write the new tokens' K/V into the layer's pages at
     ``metadata.slot_mapping``, then attend causally (query i of a sequence sees keys
     ``j <= position(i)`` of the same sequence; with a sliding window ``w`` only
-    ``position(i) - w < j``), GQA by head groups, scores multiplied by ``scaling``.
+    ``position(i) - w < j``), GQA by head groups, scores multiplied by ``scaling``, then
+    soft-capped (``cap * tanh(score / cap)``) when ``softcap`` is given; ``sinks`` ``[heads]``
+    adds one key-less logit per head to the softmax's denominator (gpt-oss). Keys are
+    ``kv_cache.key_dim`` wide, values ``kv_cache.value_dim`` (they differ for MLA).
     """
 
     name: str = "base"
@@ -60,8 +63,33 @@ class AttentionBackend(abc.ABC):
         *,
         scaling: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query ``[T, heads, D]``, key/value ``[T, kv_heads, D]`` -> out ``[T, heads, D]``."""
+        """query ``[T, heads, Dk]``, key ``[T, kv_heads, Dk]``, value ``[T, kv_heads, Dv]``
+        -> out ``[T, heads, Dv]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """How one layer calls attention, as recorded by the load-time probe."""
+
+    sliding_window: int | None
+    scaling: float
+    softcap: float | None = None
+    has_sinks: bool = False
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+
+
+#: ``{layer: LayerSpec}``; a ``(sliding_window, scaling)`` pair is accepted for a LayerSpec.
+LayerSpecs = dict[int, Union[LayerSpec, tuple]]
+
+
+def as_layer_spec(spec: LayerSpec | tuple) -> LayerSpec:
+    return spec if isinstance(spec, LayerSpec) else LayerSpec(*spec)
 
 
 @dataclass(slots=True)
@@ -72,11 +100,20 @@ class StepContext:
     metadata: AttentionMetadata
     plan: Any
     layers_called: list[int] | None = None  # filled only by the load-time probe
-    # {layer: (sliding_window, scaling)} as the model passed them (load-time probe only)
-    layer_specs: dict[int, tuple[int | None, float]] | None = None
+    # {layer: LayerSpec} as the model called attention (load-time probe only)
+    layer_specs: dict[int, LayerSpec] | None = None
+    # keyword arguments with a value the backends would ignore (load-time probe only)
+    unknown_kwargs: set[str] | None = None
 
 
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+#: keywords that reach the attention function without changing what it must compute here
+#: (HF's flash/paged bookkeeping, flags for other implementations), or that we apply
+_KNOWN_KWARGS = frozenset({
+    STEP_KWARG, "sliding_window", "softcap", "s_aux", "sinks", "position_ids", "cache_position",
+    "output_attentions", "use_cache", "layer_idx", "head_mask", "position_embeddings",
+    "return_dict", "output_hidden_states", "past_key_values", "cache", "layer_head_mask",
+    "dropout_p", "attention_dropout", "use_flash_attention",
+})
 
 
 def paged_attention_forward(
@@ -100,10 +137,6 @@ def paged_attention_forward(
             f"{ATTENTION_NAME} attention called without step metadata: models loaded for the "
             f"raygen engine can only run through its model runner (pass {STEP_KWARG}=...)"
         )
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{ATTENTION_NAME}: attention argument {name!r} is not "
-                                      "supported by the paged backends")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME}: expected a packed batch of 1, got {query.shape}")
     layer_idx = module.layer_idx
@@ -111,8 +144,23 @@ def paged_attention_forward(
         ctx.layers_called.append(layer_idx)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    softcap = float(softcap) if softcap else None  # 0 / None: no capping
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     if ctx.layer_specs is not None:
-        ctx.layer_specs[layer_idx] = (kwargs.get("sliding_window"), float(scaling))
+        ctx.layer_specs[layer_idx] = LayerSpec(
+            kwargs.get("sliding_window"), float(scaling), softcap, sinks is not None,
+            query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        if kwargs.get("is_causal") is False:
+            ctx.unknown_kwargs.add("is_causal=False")
+        for name, val in kwargs.items():
+            if name not in _KNOWN_KWARGS and val is not None and name != "is_causal" \
+                    and not name.startswith(("cu_seq_lens", "max_length", "max_seqlen")):
+                ctx.unknown_kwargs.add(name)
+        if dropout:
+            ctx.unknown_kwargs.add("dropout")
     out = ctx.backend.forward(
         ctx.plan,
         layer_idx,
@@ -121,6 +169,8 @@ def paged_attention_forward(
         value[0].transpose(0, 1),
         scaling=scaling,
         sliding_window=kwargs.get("sliding_window"),
+        softcap=softcap,
+        sinks=sinks,
     )
     return out.unsqueeze(0), None
 

@@ -1,0 +1,87 @@
+"""The model's own head path: what a transformers CausalLM's forward does after its decoder.
+
+The engine runs the base model (decoder + final norm) on the paged KV cache and computes logits
+only for the rows it samples or scores. Those rows go through the CausalLM's own ``forward``
+with its base model replaced by a stand-in that returns the given hidden states: the LM head
+and every model-specific step after it (granite's ``logits_scaling`` division, gemma's final
+soft-capping, cohere's ``logit_scale``, ...) are the model's code, not a re-implementation.
+The stand-in lives in a shallow copy of the model that shares every other module (and so every
+weight, also after a weight update) with it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import inspect
+from typing import Any
+
+import torch
+
+_HIDDEN: contextvars.ContextVar[torch.Tensor] = contextvars.ContextVar("raygen_head_hidden")
+
+
+class _HiddenOutput:
+    """A base model's output holding only the final hidden states (every other field, such
+    as past key values, attentions or router logits, is None)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> None:  # only reached for fields not set
+        return None
+
+    def __getitem__(self, index: int | str) -> torch.Tensor:
+        if index in (0, "last_hidden_state"):
+            return self.last_hidden_state
+        raise IndexError(index)
+
+
+class _GivenHidden(torch.nn.Module):
+    """Stands in for the base model: returns the hidden states being projected."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> _HiddenOutput:
+        return _HiddenOutput(_HIDDEN.get())
+
+
+def base_model_attribute(model: torch.nn.Module) -> str | None:
+    """The name of the child module that is ``model.base_model`` (None if there is none)."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        return None
+    return next((name for name, child in model.named_children() if child is base), None)
+
+
+class ModelHead:
+    """Logits of given final hidden states through the CausalLM's own forward.
+
+    Args:
+        model: a loaded transformers CausalLM whose ``base_model`` is one of its children.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        name = base_model_attribute(model)
+        if name is None:
+            raise ValueError(f"{type(model).__name__}: its base model is not a child module")
+        head = copy.copy(model)
+        head._modules = dict(model._modules)
+        head._modules[name] = _GivenHidden()
+        self._head = head
+        params = inspect.signature(type(model).forward).parameters
+        kwargs: dict[str, Any] = {}
+        for key, value in (("use_cache", False), ("logits_to_keep", 0),
+                           ("output_router_logits", False), ("return_dict", True)):
+            if key in params:
+                kwargs[key] = value
+        self._kwargs = kwargs
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden]`` final hidden states -> ``[R, vocab]`` logits (the model's dtype)."""
+        token = _HIDDEN.set(hidden[None])
+        try:
+            ids = torch.zeros((1, hidden.shape[0]), dtype=torch.long, device=hidden.device)
+            out = self._head(input_ids=ids, **self._kwargs)
+        finally:
+            _HIDDEN.reset(token)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[0]
