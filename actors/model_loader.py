@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from actors.attention import ATTENTION_NAME, STEP_KWARG, register_attention
-from actors.attention.base import LayerSpec
+from actors.attention.base import LayerSpec, capture_step_kwarg
 from actors.attention.probe import UnsupportedAttentionError, probe_layers
 from actors.config import EngineConfig
 from actors.lm_head import ModelHead
@@ -123,6 +123,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     route = check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
+    capture_step_kwarg(hf_model.base_model)
     if route == "sdpa":
         from actors.attention.sdpa_adapter import install_sdpa_adapter
 

@@ -3,12 +3,15 @@
 A model loaded with ``attn_implementation=ATTENTION_NAME`` calls ``paged_attention_forward``
 in every attention layer with the new tokens' projected, rotated q/k/v. The step's state comes
 through one keyword argument of the top-level forward, ``STEP_KWARG``, holding a
-``StepContext`` (backend + its plan for this step); nothing is kept in module globals.
+``StepContext`` (backend + its plan for this step); nothing is kept in module globals. For
+models whose decoder does not pass extra keywords down to its layers, ``capture_step_kwarg``
+makes the base model's forward also hold the context in a context variable for its duration.
 """
 
 from __future__ import annotations
 
 import abc
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -132,6 +135,8 @@ def paged_attention_forward(
     ``([1, T, heads, D], None)``.
     """
     ctx = kwargs.get(STEP_KWARG)
+    if ctx is None:
+        ctx = CURRENT_STEP.get()
     if not isinstance(ctx, StepContext):
         raise RuntimeError(
             f"{ATTENTION_NAME} attention called without step metadata: models loaded for the "
@@ -173,6 +178,27 @@ def paged_attention_forward(
         sinks=sinks,
     )
     return out.unsqueeze(0), None
+
+
+#: the StepContext of the base-model forward running in this context (see capture_step_kwarg)
+CURRENT_STEP: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+    "raygen_step", default=None)
+
+
+def capture_step_kwarg(base_model: torch.nn.Module) -> None:
+    """Makes ``base_model``'s forward set ``CURRENT_STEP`` to its ``STEP_KWARG`` argument
+    while it runs (forward hooks; in place)."""
+
+    def enter(module, args, kwargs):
+        module._raygen_step_token = CURRENT_STEP.set(kwargs.get(STEP_KWARG))
+
+    def leave(module, args, kwargs, output):
+        token = module.__dict__.pop("_raygen_step_token", None)
+        if token is not None:
+            CURRENT_STEP.reset(token)
+
+    base_model.register_forward_pre_hook(enter, with_kwargs=True)
+    base_model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 _registered = False

@@ -5,7 +5,7 @@ Such a model is loaded with ``attn_implementation="sdpa"`` and, while the engine
 ``torch.nn.functional.scaled_dot_product_attention`` call made inside one of its attention
 modules (a module with an integer ``layer_idx``) becomes a call of the registered paged
 attention function with that module, the new tokens' q/k/v and the step's ``StepContext``
-(taken from the base model's ``STEP_KWARG``). The model's own mask is ignored: it is the causal
+(``CURRENT_STEP``, set from the base model's ``STEP_KWARG`` by ``capture_step_kwarg``). The model's own mask is ignored: it is the causal
 mask of the packed step, which the paged attention applies per sequence. Outside an engine step
 (no ``StepContext``) the call is torch's own. Configurations whose mask carries more than
 causality (ALiBi) are refused before loading (``actors.model_support``).
@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from actors.attention.base import STEP_KWARG, paged_attention_forward
+from actors.attention.base import CURRENT_STEP, STEP_KWARG, paged_attention_forward
 
-_STEP: contextvars.ContextVar[Any] = contextvars.ContextVar("raygen_sdpa_step", default=None)
 _LAYER: contextvars.ContextVar[Any] = contextvars.ContextVar("raygen_sdpa_layer", default=None)
 _original_sdpa = None
 
@@ -29,7 +28,7 @@ def _routed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
-    module, ctx = _LAYER.get(), _STEP.get()
+    module, ctx = _LAYER.get(), CURRENT_STEP.get()
     if module is None or ctx is None:
         return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
@@ -37,7 +36,7 @@ def _routed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     token = _LAYER.set(None)  # the torch backend's own SDPA call is torch's
     try:
         out, _ = paged_attention_forward(module, query, key, value, None, dropout=dropout_p,
-                                         scaling=scale, **{STEP_KWARG: ctx})
+                                         scaling=scale, **{STEP_KWARG: ctx})  # [1, T, H, Dv]
     finally:
         _LAYER.reset(token)
     return out.transpose(1, 2)  # [1, heads, T, Dv], as SDPA returns
@@ -62,18 +61,6 @@ def install_sdpa_adapter(model: torch.nn.Module) -> int:
     """Routes ``model``'s SDPA calls to the paged attention during engine steps (in place);
     returns the number of attention modules routed."""
     _install_patch()
-
-    def enter_step(module, args, kwargs):
-        module._raygen_step_token = _STEP.set(kwargs.get(STEP_KWARG))
-
-    def leave_step(module, args, kwargs, output):
-        token = module.__dict__.pop("_raygen_step_token", None)
-        if token is not None:
-            _STEP.reset(token)
-
-    base = model.base_model
-    base.register_forward_pre_hook(enter_step, with_kwargs=True)
-    base.register_forward_hook(leave_step, with_kwargs=True, always_call=True)
 
     def enter_layer(module, args):
         module._raygen_layer_token = _LAYER.set(module)
