@@ -6,7 +6,8 @@ with its base model replaced by a stand-in that returns the given hidden states:
 and every model-specific step after it (granite's ``logits_scaling`` division, gemma's final
 soft-capping, cohere's ``logit_scale``, ...) are the model's code, not a re-implementation.
 The stand-in lives in a shallow copy of the model that shares every other module (and so every
-weight, also after a weight update) with it.
+weight, also after a weight update) with it. ``check_head`` verifies at load time that this
+path reproduces the model's own full forward.
 """
 
 from __future__ import annotations
@@ -38,10 +39,18 @@ class _HiddenOutput:
 
 
 class _GivenHidden(torch.nn.Module):
-    """Stands in for the base model: returns the hidden states being projected."""
+    """Stands in for the base model: returns the hidden states being projected. A CausalLM
+    that calls a part of its base model (OPT: ``self.model.decoder(...)``) reaches this
+    module again through any attribute it lacks."""
 
     def forward(self, *args: Any, **kwargs: Any) -> _HiddenOutput:
         return _HiddenOutput(_HIDDEN.get())
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return self
 
 
 def base_model_attribute(model: torch.nn.Module) -> str | None:
@@ -85,3 +94,17 @@ class ModelHead:
             _HIDDEN.reset(token)
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[0]
+
+
+@torch.no_grad()
+def check_head(model: torch.nn.Module, head: ModelHead, hidden: torch.Tensor,
+               full_logits: torch.Tensor) -> float | None:
+    """None when ``head(hidden)`` equals ``full_logits`` (the model's own forward on the same
+    input, ``[R, vocab]``) within float rounding; else the largest difference."""
+    ours = head(hidden).float()
+    theirs = full_logits.float()
+    if ours.shape != theirs.shape:
+        return float("inf")
+    err = (ours - theirs).abs().max().item()
+    scale = max(theirs.abs().max().item(), 1.0)
+    return None if err <= 1e-5 * scale else err

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from actors.attention import ATTENTION_NAME, STEP_KWARG, register_attention
-from actors.attention.base import LayerSpec, capture_step_kwarg
+from actors.attention.base import CURRENT_STEP, LayerSpec, capture_step_kwarg
 from actors.attention.probe import UnsupportedAttentionError, probe_layers
 from actors.config import EngineConfig
-from actors.lm_head import ModelHead
+from actors.lm_head import ModelHead, check_head
 from actors.model_support import (
     UnsupportedModelError,
     architecture_name,
@@ -120,7 +120,14 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
             logger.info("loading with device_map=%s failed (%s); loading on the host", device,
                         exc)
     if hf_model is None:
-        hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        except KeyError as exc:  # built before any weight is read
+            if attn not in str(exc):
+                raise
+            raise UnsupportedModelError(
+                f"{name}: its modeling code picks attention classes by implementation name "
+                f"and has none for {attn!r}") from None
     route = check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
     capture_step_kwarg(hf_model.base_model)
@@ -137,7 +144,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         head = ModelHead(hf_model)
     except ValueError as exc:
         raise UnsupportedModelError(f"{name}: {exc}") from None
-    specs = _probe(hf_model, text.num_hidden_layers, name, device)
+    specs = _probe(hf_model, head, text.num_hidden_layers, name, device)
     first = specs[0]
     loaded = LoadedModel(
         model=hf_model,
@@ -166,18 +173,40 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     return loaded
 
 
-def _probe(hf_model: torch.nn.Module, num_layers: int, name: str, device: torch.device
-           ) -> dict[int, LayerSpec]:
+def _probe(hf_model: torch.nn.Module, head: ModelHead, num_layers: int, name: str,
+           device: torch.device) -> dict[int, LayerSpec]:
+    """The attention probe, plus a check that the head path on the base model's output
+    reproduces the full CausalLM forward's logits for the same token."""
     base = hf_model.base_model
+    outputs = []
 
     def forward(ids, positions, ctx):
-        return base(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
-                    use_cache=False, **{STEP_KWARG: ctx})
+        out = base(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
+                   use_cache=False, **{STEP_KWARG: ctx})
+        outputs.append(out[0][0])
+        return out
+
+    def full(ids, positions, ctx):
+        token = CURRENT_STEP.set(ctx)  # CausalLMs need not pass extra keywords down
+        try:
+            out = hf_model(input_ids=ids[None], position_ids=positions[None],
+                           attention_mask=None, use_cache=False)
+        finally:
+            CURRENT_STEP.reset(token)
+        outputs.append(out.logits[0])
+        return out
 
     try:
-        return probe_layers(forward, num_layers, name, device)
+        specs = probe_layers(forward, num_layers, name, device)
+        probe_layers(full, num_layers, name, device)
     except UnsupportedAttentionError as exc:
         raise UnsupportedModelError(str(exc)) from None
+    err = check_head(hf_model, head, outputs[0], outputs[1])
+    if err is not None:
+        raise UnsupportedModelError(
+            f"{name}: logits through its head path differ from its own forward's by {err:.3g}"
+            " (its CausalLM does more than project the base model's output)")
+    return specs
 
 
 def _eos_ids(hf_model: Any, tokenizer: Any) -> list[int]:

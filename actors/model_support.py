@@ -90,6 +90,13 @@ def check_architecture(config: Any, trust_remote_code: bool) -> tuple[type | Non
         raise UnsupportedModelError(
             f"{name} is an encoder-decoder model; the raygen engine runs decoder-only causal LMs"
         )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES \
+            and not getattr(config, "is_decoder", False):
+        raise UnsupportedModelError(
+            f"{name}: config.is_decoder=False: an encoder architecture attends bidirectionally "
+            "unless configured as a decoder; the paged attention is causal")
     auto_map = getattr(config, "auto_map", None) or {}
     if trust_remote_code and "AutoModelForCausalLM" in auto_map:
         check_config(config, name)

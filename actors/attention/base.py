@@ -115,7 +115,7 @@ _KNOWN_KWARGS = frozenset({
     STEP_KWARG, "sliding_window", "softcap", "s_aux", "sinks", "position_ids", "cache_position",
     "output_attentions", "use_cache", "layer_idx", "head_mask", "position_embeddings",
     "return_dict", "output_hidden_states", "past_key_values", "cache", "layer_head_mask",
-    "dropout_p", "attention_dropout", "use_flash_attention",
+    "dropout_p", "attention_dropout", "use_flash_attention", "output_router_logits",
 })
 
 
@@ -158,7 +158,7 @@ def paged_attention_forward(
         ctx.layer_specs[layer_idx] = LayerSpec(
             kwargs.get("sliding_window"), float(scaling), softcap, sinks is not None,
             query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
-        if kwargs.get("is_causal") is False:
+        if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
             ctx.unknown_kwargs.add("is_causal=False")
         for name, val in kwargs.items():
             if name not in _KNOWN_KWARGS and val is not None and name != "is_causal" \
@@ -187,10 +187,12 @@ CURRENT_STEP: contextvars.ContextVar[StepContext | None] = contextvars.ContextVa
 
 def capture_step_kwarg(base_model: torch.nn.Module) -> None:
     """Makes ``base_model``'s forward set ``CURRENT_STEP`` to its ``STEP_KWARG`` argument
-    while it runs (forward hooks; in place)."""
+    (when given) while it runs (forward hooks; in place)."""
 
     def enter(module, args, kwargs):
-        module._raygen_step_token = CURRENT_STEP.set(kwargs.get(STEP_KWARG))
+        step = kwargs.get(STEP_KWARG)
+        module._raygen_step_token = CURRENT_STEP.set(step if step is not None
+                                                     else CURRENT_STEP.get())
 
     def leave(module, args, kwargs, output):
         token = module.__dict__.pop("_raygen_step_token", None)

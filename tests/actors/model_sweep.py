@@ -3,7 +3,9 @@ from its config class (random weights), run through the engine and compared with
 forward (fp32, CPU).
 
 ``classify(model_type, workdir, tokenizer_dir)`` returns ``(status, reason)`` with status one
-of "exact", "refused" (a clear error before loading), "wrong" or "crash". Run as a script to
+of "exact", "refused" (a clear error before loading), "refused after loading" (by the
+load-time attention probe), "wrong", "crash", or "not built" (the generic shrinking could not
+make it tiny: a limit of this harness, not of the engine). Run as a script to
 write the table: ``PYTHONPATH=$PWD python -m tests.actors.model_sweep docs/model_coverage.md``.
 """
 
@@ -61,12 +63,8 @@ def _init_params(cls: type) -> set[str]:
     return names
 
 
-def tiny_config(model_type: str, **overrides: Any):
-    """The config class of ``model_type`` with every size field it has made tiny."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
+def _tiny_kwargs(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Constructor keywords making ``cls`` (a config class) tiny, sub-configs included."""
     default = cls()
     params = _init_params(cls)
     aliases = getattr(cls, "attribute_map", {}) or {}
@@ -77,14 +75,47 @@ def tiny_config(model_type: str, **overrides: Any):
     window = getattr(default, "sliding_window", None)
     if isinstance(window, int) and "sliding_window" not in overrides and window > WINDOW:
         kwargs["sliding_window"] = WINDOW
-    config = AutoConfig.for_model(model_type, **kwargs)
-    return config
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if name in params and isinstance(sub, type) and name not in overrides:
+            try:
+                kwargs[name] = _tiny_kwargs(sub, {})
+            except Exception:  # noqa: BLE001 - keep that sub-config's defaults
+                pass
+    return kwargs
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    """The config class of ``model_type`` with every size field it has made tiny."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return AutoConfig.for_model(model_type,
+                                **_tiny_kwargs(CONFIG_MAPPING[model_type], overrides))
+
+
+#: models above this many parameters after shrinking were not made tiny (a sub-config the
+#: generic shrinking does not reach): not built
+MAX_PARAMS = 5_000_000
+
+
+def num_params(config) -> int:
+    """Parameters of the CausalLM ``config`` describes (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+class NotTiny(Exception):
+    """The generic shrinking left the model too large to build in a test."""
 
 
 #: tried in turn when HF's own forward fails on the tiny config (e.g. MLA wants as many KV
 #: heads as query heads)
 FALLBACKS: tuple[dict[str, Any], ...] = (
     {}, {"num_key_value_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4},
+    {"rotary_dim": 8},
 )
 
 
@@ -96,6 +127,9 @@ def build(model_type: str, path: Path, **overrides: Any):
     error = None
     for extra in FALLBACKS:
         config = tiny_config(model_type, **{**extra, **overrides})
+        size = num_params(config)
+        if size > MAX_PARAMS:
+            raise NotTiny(f"{size / 1e6:.0f}M parameters after shrinking")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
@@ -142,7 +176,7 @@ def compare(engine_outs, hf_model, prompt_list) -> tuple[bool, str]:
 def classify(model_type: str, workdir: Path, tokenizer_dir: str,
              **overrides: Any) -> tuple[str, str]:
     """Runs one architecture; returns ``(status, reason)``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from actors.engine import Engine
     from actors.model_support import UnsupportedModelError, check_architecture
@@ -152,15 +186,23 @@ def classify(model_type: str, workdir: Path, tokenizer_dir: str,
     try:
         config = tiny_config(model_type, **overrides)
     except Exception as exc:  # noqa: BLE001 - a config class that cannot be built bare
-        return "refused", f"config cannot be built without real values ({type(exc).__name__})"
+        return "not built", (f"its config class cannot be built from defaults "
+                             f"({type(exc).__name__})")
     try:
         check_architecture(config, trust_remote_code=False)
     except UnsupportedModelError as exc:
         return "refused", str(exc)
     try:
         build(model_type, path, **overrides)
+    except NotTiny as exc:
+        return "not built", str(exc)
     except Exception as exc:  # noqa: BLE001
-        return "crash", f"building the tiny HF model failed: {type(exc).__name__}: {exc}"
+        return "not built", (f"HF's own forward fails on the generic tiny config "
+                             f"({type(exc).__name__}: {str(exc)[:100]})")
+    try:
+        check_architecture(AutoConfig.from_pretrained(str(path)), trust_remote_code=False)
+    except UnsupportedModelError as exc:  # the saved config, as the engine reads it
+        return "refused", str(exc)
     try:
         engine = Engine(str(path), {**ENGINE, "tokenizer": tokenizer_dir})
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -168,7 +210,7 @@ def classify(model_type: str, workdir: Path, tokenizer_dir: str,
         outs = engine.generate([(i, p, params) for i, p in enumerate(prompt_list)],
                                token_logprobs=True)
     except UnsupportedModelError as exc:
-        return "refused after loading", str(exc)
+        return "refused at load", str(exc)
     except Exception as exc:  # noqa: BLE001
         tb = traceback.extract_tb(exc.__traceback__)[-1]
         return "crash", f"{type(exc).__name__}: {exc} ({Path(tb.filename).name}:{tb.lineno})"
