@@ -57,7 +57,8 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     bs = config.block_size
     device = loaded.device
     backend_name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
-                                        loaded.head_dim, value_dim=loaded.value_dim)
+                                        loaded.head_dim, value_dim=loaded.value_dim,
+                                        layer_specs=loaded.layer_specs)
     use_graphs = resolve_cuda_graphs(config, device, backend_name)
     fused = None
     if resolve_fused_layers(config, device):

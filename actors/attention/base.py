@@ -116,6 +116,7 @@ _KNOWN_KWARGS = frozenset({
     "output_attentions", "use_cache", "layer_idx", "head_mask", "position_embeddings",
     "return_dict", "output_hidden_states", "past_key_values", "cache", "layer_head_mask",
     "dropout_p", "attention_dropout", "use_flash_attention", "output_router_logits",
+    "logits_to_keep", "labels",
 })
 
 

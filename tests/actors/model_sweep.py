@@ -38,6 +38,9 @@ TINY: dict[str, Any] = {
     # multi-head latent attention
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
     "v_head_dim": 16,
+    # per-layer input embeddings (gemma3n / gemma4), byte-group hashes (blt)
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
+    "encoder_hash_byte_group_vocab": 64,
     "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3,
 }
 WINDOW = 8          # sliding windows are shrunk to this (prompts are longer)
@@ -65,7 +68,10 @@ def _init_params(cls: type) -> set[str]:
 
 def _tiny_kwargs(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
     """Constructor keywords making ``cls`` (a config class) tiny, sub-configs included."""
-    default = cls()
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 - some classes validate their defaults away
+        default = None
     params = _init_params(cls)
     aliases = getattr(cls, "attribute_map", {}) or {}
     kwargs = {}
@@ -76,6 +82,9 @@ def _tiny_kwargs(cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
     if isinstance(window, int) and "sliding_window" not in overrides and window > WINDOW:
         kwargs["sliding_window"] = WINDOW
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        instance = getattr(default, name, None)
+        if instance is not None and hasattr(instance, "to_dict"):
+            sub = type(instance)  # the class an AutoConfig entry resolves to
         if name in params and isinstance(sub, type) and name not in overrides:
             try:
                 kwargs[name] = _tiny_kwargs(sub, {})
@@ -115,8 +124,24 @@ class NotTiny(Exception):
 #: heads as query heads)
 FALLBACKS: tuple[dict[str, Any], ...] = (
     {}, {"num_key_value_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4},
-    {"rotary_dim": 8},
+    {"rotary_dim": 8}, {"num_experts_per_tok": 1}, {"expand": 1},
+    {"attention_types": [[["global", "local"], 1]]}, {"hidden_size_per_layer_input": 0},
 )
+
+
+def configs(model_type: str, **overrides: Any):
+    """The tiny configs of ``model_type`` that its config class accepts, one per fallback."""
+    error, yielded = None, False
+    for extra in FALLBACKS:
+        try:
+            config = tiny_config(model_type, **{**extra, **overrides})
+        except Exception as exc:  # noqa: BLE001 - the class validated it away: next one
+            error = exc
+            continue
+        yielded = True
+        yield config
+    if not yielded:
+        raise error
 
 
 def build(model_type: str, path: Path, **overrides: Any):
@@ -125,8 +150,7 @@ def build(model_type: str, path: Path, **overrides: Any):
     from transformers import AutoModelForCausalLM
 
     error = None
-    for extra in FALLBACKS:
-        config = tiny_config(model_type, **{**extra, **overrides})
+    for config in configs(model_type, **overrides):
         size = num_params(config)
         if size > MAX_PARAMS:
             raise NotTiny(f"{size / 1e6:.0f}M parameters after shrinking")
@@ -184,7 +208,7 @@ def classify(model_type: str, workdir: Path, tokenizer_dir: str,
 
     path = workdir / model_type
     try:
-        config = tiny_config(model_type, **overrides)
+        config = next(configs(model_type, **overrides))
     except Exception as exc:  # noqa: BLE001 - a config class that cannot be built bare
         return "not built", (f"its config class cannot be built from defaults "
                              f"({type(exc).__name__})")
