@@ -70,8 +70,8 @@ def unsupported_attribute(config: Any) -> tuple[str, str] | None:
     if layer_types:
         other = sorted({str(t) for t in layer_types} - _ATTENTION_LAYER_TYPES)
         if other:
-            return "layer_types", (f"layers of type {other} hold state the paged KV cache does "
-                                   "not (recurrent / linear attention)")
+            return "layer_types", (f"layers of type {other} are not dense attention over the "
+                                   "paged KV cache (recurrent, linear or sparse attention)")
     for key in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, key, None)
         if isinstance(rope, dict) and (rope.get("mrope_section") is not None

@@ -289,6 +289,28 @@ def write_table(path: Path, rows: list, version: str) -> None:
         "",
         "Summary: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
         "",
+        "*refused at load*: refused by the load-time attention probe or while the model is "
+        "constructed (no weight is used); *not built*: the generic shrinking of this harness "
+        "could not make a tiny model HF itself runs (a limit of the test, not a verdict on "
+        "the engine). How the engine runs these models:",
+        "",
+        "- Logits: the CausalLM's own forward runs on the base model's final hidden states "
+        "(`actors/lm_head.py`), so every scaling after the decoder is the model's code; at "
+        "load it is checked against the full forward.",
+        "- KV shapes come from what the attention modules pass (the load-time probe). MLA "
+        "(deepseek_v2/v3, glm4_moe_lite, sarvam_mla, ...): full per-head keys "
+        "(`qk_nope_head_dim + qk_rope_head_dim`) and values (`v_head_dim`), not the compact "
+        "latent cache; the pool's rows are as wide as the keys and values use their first "
+        "`v_head_dim` entries (for DeepSeek-V3's 192/128, 20% more memory than separate "
+        "pools). FlashInfer plans such layers with `head_dim_qk`/`head_dim_vo`.",
+        "- Soft-capped attention (gemma2) and attention sinks (gpt_oss): the torch backend "
+        "materialises the scores in transformers' eager order; FlashInfer uses "
+        "`logits_soft_cap` and, for sinks, `BatchAttentionWithAttentionSinkWrapper` (its "
+        "0.6.4 default FA2 module ignores `run(sinks=)`).",
+        "- Attention that bypasses the registry but calls torch's SDPA (falcon) is routed to "
+        "the paged backends by `actors/attention/sdpa_adapter.py`; stablelm uses the registry "
+        "without declaring it.",
+        "",
         "| architecture | status | reason |",
         "|---|---|---|",
     ]
