@@ -140,3 +140,41 @@ def test_mla_value_rows_stay_within_their_width(family_model, tokenizer_dir):
     pool = engine.executor.runner.kv_cache.pool          # [L, N, 2, bs, H, 24]
     assert pool[:, :, 1].abs().sum() > 0
     assert pool[:, :, 1, ..., 16:].abs().max() == 0
+
+
+def test_sdpa_routed_model_is_plain_hf_outside_the_engine(family_model, tokenizer_dir):
+    """falcon's SDPA calls reach the paged attention only inside an engine step: a plain
+    forward of the engine's model equals HF's own."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_model("falcon")
+    engine, _, _ = _run(path, tokenizer_dir)
+    ids = torch.tensor([[5, 9, 33, 2, 71, 8]])
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine.loaded.model(ids).logits, hf(ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, overrides, attribute", [
+    ("falcon", dict(alibi=True), "config.alibi=True"),
+    ("llama4_text", dict(attention_chunk_size=8), "config.attention_chunk_size=8"),
+    ("qwen3_next", dict(), "config.layer_types="),
+])
+def test_refusals_name_the_attribute_before_loading(model_type, overrides, attribute,
+                                                    tmp_path, tokenizer_dir, monkeypatch):
+    import transformers
+
+    from actors.model_loader import UnsupportedModelError
+    from tests.actors.model_sweep import tiny_config
+
+    tiny_config(model_type, **overrides).save_pretrained(tmp_path)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the refusal")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(UnsupportedModelError, match=rf"model_type='{model_type}'.*{attribute}"):
+        Engine(str(tmp_path), {"num_kv_blocks": 16, "max_model_len": 32,
+                               "tokenizer": tokenizer_dir})
