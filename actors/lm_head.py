@@ -7,7 +7,8 @@ and every model-specific step after it (granite's ``logits_scaling`` division, g
 soft-capping, cohere's ``logit_scale``, ...) are the model's code, not a re-implementation.
 The stand-in lives in a shallow copy of the model that shares every other module (and so every
 weight, also after a weight update) with it. ``check_head`` verifies at load time that this
-path reproduces the model's own full forward.
+path reproduces the model's own full forward. When the path turns out to be the output
+embedding alone (bit for bit on probe rows), that module is called directly.
 """
 
 from __future__ import annotations
@@ -83,9 +84,35 @@ class ModelHead:
             if key in params:
                 kwargs[key] = value
         self._kwargs = kwargs
+        self.direct: torch.nn.Module | None = None  # see use_output_embeddings_if_equal
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` final hidden states -> ``[R, vocab]`` logits (the model's dtype)."""
+        if self.direct is not None:
+            return self.direct(hidden)
+        return self.through_model(hidden)
+
+    @torch.no_grad()
+    def use_output_embeddings_if_equal(self, output_embeddings: torch.nn.Module | None
+                                       ) -> bool:
+        """Calls ``output_embeddings`` directly from now on when the model's head path equals
+        it bit for bit on probe rows of growing magnitude (1 to 1e3: any scaling or capping
+        shows), saving the CausalLM forward's Python overhead per step. Returns whether."""
+        weight = getattr(output_embeddings, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return False
+        gen = torch.Generator().manual_seed(0)
+        scale = torch.tensor([1.0, 10.0, 100.0, 1000.0])[:, None]
+        rows = (torch.randn(4, weight.shape[1], generator=gen) * scale).to(weight.device,
+                                                                          weight.dtype)
+        theirs = self.through_model(rows)
+        ours = output_embeddings(rows)
+        if ours.shape == theirs.shape and torch.equal(ours, theirs):
+            self.direct = output_embeddings
+        return self.direct is not None
+
+    def through_model(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head path through the CausalLM's own forward."""
         token = _HIDDEN.set(hidden[None])
         try:
             ids = torch.zeros((1, hidden.shape[0]), dtype=torch.long, device=hidden.device)
@@ -101,7 +128,7 @@ def check_head(model: torch.nn.Module, head: ModelHead, hidden: torch.Tensor,
                full_logits: torch.Tensor) -> float | None:
     """None when ``head(hidden)`` equals ``full_logits`` (the model's own forward on the same
     input, ``[R, vocab]``) within float rounding; else the largest difference."""
-    ours = head(hidden).float()
+    ours = head.through_model(hidden).float()
     theirs = full_logits.float()
     if ours.shape != theirs.shape:
         return float("inf")

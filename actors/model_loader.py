@@ -206,6 +206,7 @@ def _probe(hf_model: torch.nn.Module, head: ModelHead, num_layers: int, name: st
         raise UnsupportedModelError(
             f"{name}: logits through its head path differ from its own forward's by {err:.3g}"
             " (its CausalLM does more than project the base model's output)")
+    head.use_output_embeddings_if_equal(hf_model.get_output_embeddings())
     return specs
 
 

@@ -104,6 +104,8 @@ def test_family_matches_hf(model_type, family_model, tokenizer_dir):
         assert engine.executor.runner.kv_cache.pool.shape[-1] == 24
     if model_type == "falcon":
         assert loaded.attention_route == "sdpa"
+    if model_type in ("gemma2", "granite", "granitemoe"):  # more than the LM head alone
+        assert loaded.head.direct is None
     if model_type.startswith("granite"):  # the head path divides by logits_scaling
         hidden = torch.randn(3, loaded.model.config.hidden_size)
         torch.testing.assert_close(loaded.head(hidden),
@@ -140,6 +142,13 @@ def test_mla_value_rows_stay_within_their_width(family_model, tokenizer_dir):
     pool = engine.executor.runner.kv_cache.pool          # [L, N, 2, bs, H, 24]
     assert pool[:, :, 1].abs().sum() > 0
     assert pool[:, :, 1, ..., 16:].abs().max() == 0
+
+
+def test_plain_head_path_calls_the_output_embedding_directly(llama_engine):
+    loaded = llama_engine.loaded
+    assert loaded.head.direct is loaded.model.get_output_embeddings()
+    hidden = torch.randn(5, loaded.model.config.hidden_size)
+    assert torch.equal(loaded.head(hidden), loaded.head.through_model(hidden))
 
 
 def test_sdpa_routed_model_is_plain_hf_outside_the_engine(family_model, tokenizer_dir):
