@@ -132,8 +132,10 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered with ``transformers.AttentionInterface``.
 
-    query ``[1, heads, T, D]`` and key/value ``[1, kv_heads, T, D]`` (new tokens only) ->
-    ``([1, T, heads, D], None)``.
+    query ``[1, heads, T, Dk]``, key ``[1, kv_heads, T, Dk]`` and value
+    ``[1, kv_heads, T, Dv]`` (new tokens only) -> ``([1, T, heads, Dv], None)``. Applies the
+    module's ``softcap`` and ``s_aux`` / ``sinks`` keywords; the load-time probe records what
+    each layer passes and which keywords no backend would apply.
     """
     ctx = kwargs.get(STEP_KWARG)
     if ctx is None:
