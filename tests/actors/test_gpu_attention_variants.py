@@ -64,7 +64,9 @@ def _inputs(t, spec, gen):
     k = torch.randn(t, spec.num_kv_heads, spec.key_dim, generator=gen, device="cuda").bfloat16()
     v = torch.randn(t, spec.num_kv_heads, spec.value_dim, generator=gen,
                     device="cuda").bfloat16()
-    sinks = (torch.randn(HEADS, generator=gen, device="cuda") * 2).bfloat16() \
+    # sink logits around 4: comparable to the summed weight of a few hundred keys, so they
+    # change the output visibly also for long contexts
+    sinks = (torch.randn(HEADS, generator=gen, device="cuda") + 4).bfloat16() \
         if spec.has_sinks else None
     return q, k, v, sinks
 
