@@ -7,16 +7,16 @@ import importlib.util
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from actors.engine.block_manager import BlockManager
 from actors.engine.engine_config import EngineConfig
-from actors.engine.model.attention import (
-    AttentionMetadata,
-    StepContext,
-    get_attention_backend,
-    resolve_backend_name,
+from actors.engine.model.attention import StepContext, get_attention_backend, resolve_backend_name
+from actors.engine.model.attention.base import LayerSpec
+from actors.engine.model.attention.probe import (
+    UnsupportedAttentionError,
+    one_token_metadata,
+    probe_layers,
 )
 from actors.engine.model.attention.torch_backend import TorchAttentionBackend
 from actors.engine.model.kv_cache import KVCache, bytes_per_block, compute_num_blocks
@@ -61,7 +61,8 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     bs = config.block_size
     device = loaded.device
     backend_name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
-                                        loaded.head_dim)
+                                        loaded.head_dim, value_dim=loaded.value_dim,
+                                        layer_specs=loaded.layer_specs)
     use_graphs = resolve_cuda_graphs(config, device, backend_name)
     fused = None
     if resolve_fused_layers(config, device):
@@ -76,7 +77,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
             reserved = profile_step_memory(loaded, config, fused) + _CUDA_WORKSPACE_RESERVE
         num_blocks = compute_num_blocks(
             per_block=bytes_per_block(loaded.num_layers, bs, loaded.num_kv_heads,
-                                      loaded.head_dim, loaded.dtype),
+                                      pool_head_dim(loaded), loaded.dtype),
             device=device, block_size=bs, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, reserved=reserved)
@@ -84,9 +85,8 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
         raise ValueError(
             f"engine: {num_blocks} KV blocks of {bs} tokens cannot hold one sequence of "
             f"max_model_len={max_model_len}; lower max_model_len or raise num_kv_blocks")
-    kv_cache = KVCache(loaded.num_layers, num_blocks, bs, loaded.num_kv_heads,
-                       loaded.head_dim, loaded.dtype, device,
-                       num_scratch_blocks=1 if use_graphs else 0)
+    kv_cache = make_kv_cache(loaded, num_blocks, bs, device,
+                             num_scratch_blocks=1 if use_graphs else 0)
     phases.mark("kv_cache")
     reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
                                       loaded.head_dim)
@@ -128,6 +128,20 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
                        outputs, phases.seconds)
 
 
+def pool_head_dim(loaded: LoadedModel) -> int:
+    """Width of the KV pool's rows: the wider of the model's key and value widths."""
+    return max(loaded.head_dim, loaded.value_dim or loaded.head_dim)
+
+
+def make_kv_cache(loaded: LoadedModel, num_blocks: int, block_size: int,
+                  device: torch.device, num_scratch_blocks: int = 0) -> KVCache:
+    """The KV pool shaped from the probed attention (kv heads, key and value widths)."""
+    return KVCache(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads,
+                   pool_head_dim(loaded), loaded.dtype, device,
+                   num_scratch_blocks=num_scratch_blocks, key_dim=loaded.head_dim,
+                   value_dim=loaded.value_dim or loaded.head_dim)
+
+
 def _cuda_feature(name: str, wanted: bool | None, device: torch.device,
                   missing: str | None) -> bool:
     """Whether an on-by-default CUDA feature runs: never when turned off; off another device
@@ -158,21 +172,6 @@ def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name
     return _cuda_feature("cuda_graphs", config.cuda_graphs, device, missing)
 
 
-def _one_token_metadata(num_seqs: int, device: torch.device, block_size: int
-                        ) -> AttentionMetadata:
-    """``num_seqs`` sequences of one token at position 0, all on page 0, slot 0."""
-    return AttentionMetadata(
-        num_seqs=num_seqs, num_tokens=num_seqs, max_query_len=1, max_seq_len=1,
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=device),
-        block_tables=torch.zeros((num_seqs, 1), dtype=torch.int32, device=device),
-        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device=device),
-        positions=torch.zeros(num_seqs, dtype=torch.int64, device=device),
-        query_start_loc_host=np.arange(num_seqs + 1, dtype=np.int32),
-        seq_lens_host=np.ones(num_seqs, np.int32),
-        block_tables_host=np.zeros((num_seqs, 1), np.int32), block_size=block_size)
-
-
 @torch.no_grad()
 def profile_step_memory(loaded: LoadedModel, config: EngineConfig, fused=None) -> int:
     """Peak device bytes one step needs beyond the weights (CUDA): a warm-up forward of
@@ -184,13 +183,12 @@ def profile_step_memory(loaded: LoadedModel, config: EngineConfig, fused=None) -
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    cache = KVCache(loaded.num_layers, 1, config.block_size, loaded.num_kv_heads,
-                    loaded.head_dim, loaded.dtype, device)
+    cache = make_kv_cache(loaded, 1, config.block_size, device)
     backend = TorchAttentionBackend(cache, loaded.num_heads, loaded.num_kv_heads,
                                     loaded.head_dim)
     runner = ModelRunner(loaded, cache, backend, fused=fused)
     tokens = config.max_num_batched_tokens
-    metadata = _one_token_metadata(tokens, device, config.block_size)
+    metadata = one_token_metadata(tokens, device, config.block_size)
     ids = torch.zeros(tokens, dtype=torch.int64, device=device)
     hidden = runner.forward(ids, ids, StepContext(backend, metadata, backend.plan(metadata)))
     rows = min(config.max_num_seqs, tokens)
@@ -204,24 +202,12 @@ def profile_step_memory(loaded: LoadedModel, config: EngineConfig, fused=None) -
     return peak + sampler
 
 
-@torch.no_grad()
-def probe_attention_layers(runner: ModelRunner) -> dict[int, tuple[int | None, float]]:
-    """Runs one token through the model (torch reference attention over the runner's pool)
-    and checks that every layer's attention went through our function exactly once; refuses
-    the model otherwise (hybrid or custom attention). Returns each layer's
-    ``(sliding_window, scaling)`` as the model passed them."""
-    backend = TorchAttentionBackend(runner.kv_cache, runner.loaded.num_heads,
-                                    runner.loaded.num_kv_heads, runner.loaded.head_dim)
-    metadata = _one_token_metadata(1, runner.device, runner.block_size)
-    ctx = StepContext(backend, metadata, backend.plan(metadata), layers_called=[],
-                      layer_specs={})
-    ids = torch.zeros(1, dtype=torch.int64, device=runner.device)
-    runner.forward(ids, ids, ctx)
-    expected = list(range(runner.loaded.num_layers))
-    if sorted(ctx.layers_called) != expected:
-        raise UnsupportedModelError(
-            f"{runner.loaded.architecture}: its attention layers do not all go through "
-            f"transformers' attention-function registry (layers seen: {ctx.layers_called}, "
-            f"expected {expected}); it cannot run on the paged KV cache")
-    runner.kv_cache.pool.zero_()
-    return ctx.layer_specs
+def probe_attention_layers(runner: ModelRunner) -> dict[int, LayerSpec]:
+    """Runs one token through the runner's model and checks that every layer's attention went
+    through our function exactly once, with nothing the backends would ignore; refuses the
+    model otherwise. Returns each layer's ``LayerSpec``."""
+    try:
+        return probe_layers(runner.forward, runner.loaded.num_layers,
+                            runner.loaded.architecture, runner.device)
+    except UnsupportedAttentionError as exc:
+        raise UnsupportedModelError(str(exc)) from None

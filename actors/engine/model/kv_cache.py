@@ -2,7 +2,9 @@
 
 Layer ``l`` is ``pool[l]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (index 0 = keys, 1 = values), which ``BatchPrefill/DecodeWithPagedKVCacheWrapper.run`` takes as
-is. Which block belongs to which sequence is the block manager's business.
+is. When keys and values differ in width (MLA: ``key_dim`` > ``value_dim``), ``head_dim`` is the
+wider one and each layer uses the first ``key_dim`` / ``value_dim`` entries of its key / value
+rows (the rest stays zero). Which block belongs to which sequence is the block manager's business.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class KVCache:
         dtype, device: of the pages.
         num_scratch_blocks: extra pages after the ``num_blocks`` the block manager hands out
             (CUDA-graph padding rows write their K/V to the first of them).
+        key_dim, value_dim: widths of keys and values (default ``head_dim``; at most it).
     """
 
     def __init__(
@@ -37,7 +40,15 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         num_scratch_blocks: int = 0,
+        *,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
     ):
+        self.key_dim = key_dim or head_dim
+        self.value_dim = value_dim or head_dim
+        if max(self.key_dim, self.value_dim) != head_dim:
+            raise ValueError(f"head_dim: {head_dim} must be the wider of key_dim "
+                             f"{self.key_dim} and value_dim {self.value_dim}")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

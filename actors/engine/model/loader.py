@@ -11,24 +11,37 @@ from typing import Any
 import torch
 
 from actors.engine.engine_config import EngineConfig
-from actors.engine.model.attention import ATTENTION_NAME, register_attention
+from actors.engine.model.attention import ATTENTION_NAME, STEP_KWARG, register_attention
+from actors.engine.model.attention.base import CURRENT_STEP, LayerSpec, capture_step_kwarg
+from actors.engine.model.attention.probe import UnsupportedAttentionError, probe_layers
+from actors.engine.model.lm_head import ModelHead, check_head
+from actors.engine.model.model_support import (
+    UnsupportedModelError,
+    architecture_name,
+    check_architecture,
+    check_model_class,
+)
+
+__all__ = ["ATTENTION_NAME", "LoadedModel", "UnsupportedModelError", "check_architecture",
+           "check_model_class", "load_model"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnsupportedModelError(ValueError):
-    """The model cannot run on the raygen engine (the message names the architecture)."""
-
-
 @dataclass(slots=True)
 class LoadedModel:
-    """The model, its tokenizer and the facts the engine sizes itself from."""
+    """The model, its tokenizer and the facts the engine sizes itself from.
+
+    ``num_kv_heads``, ``head_dim`` (key width) and ``value_dim`` are what the attention modules
+    really pass (recorded by the load-time probe, ``layer_specs``); ``head`` computes logits
+    through the model's own head path (``actors.engine.model.lm_head``).
+    """
 
     model: torch.nn.Module
     base_model: torch.nn.Module
-    lm_head: torch.nn.Module
+    head: ModelHead
     tokenizer: Any
     architecture: str
     num_layers: int
@@ -40,51 +53,13 @@ class LoadedModel:
     eos_token_ids: list[int]
     dtype: torch.dtype
     device: torch.device
-    final_logit_softcapping: float | None = None
-    logit_scale: float | None = None
+    value_dim: int = 0
+    layer_specs: dict[int, LayerSpec] = field(default_factory=dict)
+    attention_route: str = "registry"
     # seconds of each loading phase: transformers_import, model_config (config + architecture
     # checks, which import the model's module), cuda_init (device context, CUDA only),
     # model_weights (from_pretrained onto the device), tokenizer
     phases: dict[str, float] = field(default_factory=dict)
-
-
-def _architecture_name(config: Any) -> str:
-    archs = getattr(config, "architectures", None) or []
-    return f"{archs[0] if archs else type(config).__name__} (model_type={config.model_type!r})"
-
-
-def check_architecture(config: Any, trust_remote_code: bool) -> type | None:
-    """Raises ``UnsupportedModelError`` unless ``config`` is a decoder-only causal LM whose
-    class routes attention through transformers' attention-function registry. Returns the
-    model class when it is known before loading (None for remote code)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    name = _architecture_name(config)
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{name} is an encoder-decoder model; the raygen engine runs decoder-only causal LMs"
-        )
-    auto_map = getattr(config, "auto_map", None) or {}
-    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
-        return None
-    try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        raise UnsupportedModelError(
-            f"{name} is not a causal LM that transformers' AutoModelForCausalLM can load"
-        ) from None
-    check_model_class(cls, name)
-    return cls
-
-
-def check_model_class(cls: type, name: str) -> None:
-    """Refuses a class whose attention never calls a registered attention function."""
-    if not getattr(cls, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name}: {cls.__name__} does not route attention through transformers' "
-            "attention-function registry (_supports_attention_backend is False), so it cannot "
-            "run on the paged KV cache"
-        )
 
 
 class PhaseTimer:
@@ -125,8 +100,8 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     register_attention()
     common = dict(trust_remote_code=config.trust_remote_code, revision=config.revision)
     hf_config = AutoConfig.from_pretrained(model, **common)
-    name = _architecture_name(hf_config)
-    check_architecture(hf_config, config.trust_remote_code)
+    name = architecture_name(hf_config)
+    _, route = check_architecture(hf_config, config.trust_remote_code)
     mark("model_config")
 
     dtype = resolve_dtype(config.dtype)
@@ -134,7 +109,8 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     if device.type == "cuda":
         torch.empty(1, device=device)  # the device context, apart from the weights' time
         mark("cuda_init")
-    kwargs = dict(dtype=dtype, attn_implementation=ATTENTION_NAME, **common)
+    attn = ATTENTION_NAME if route == "registry" else "sdpa"
+    kwargs = dict(dtype=dtype, attn_implementation=attn, **common)
     hf_model = None
     if device.type == "cuda":  # weights straight onto the GPU (no full host copy)
         try:
@@ -144,41 +120,94 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
             logger.info("loading with device_map=%s failed (%s); loading on the host", device,
                         exc)
     if hf_model is None:
-        hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-    check_model_class(type(hf_model), name)
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        except KeyError as exc:  # built before any weight is read
+            if attn not in str(exc):
+                raise
+            raise UnsupportedModelError(
+                f"{name}: its modeling code picks attention classes by implementation name "
+                f"and has none for {attn!r}") from None
+    route = check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
+    capture_step_kwarg(hf_model.base_model)
+    if route == "sdpa":
+        from actors.engine.model.attention.sdpa_adapter import install_sdpa_adapter
+
+        install_sdpa_adapter(hf_model)
     mark("model_weights")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)
     mark("tokenizer")
 
     text = hf_config.get_text_config()
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    try:
+        head = ModelHead(hf_model)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{name}: {exc}") from None
+    specs = _probe(hf_model, head, text.num_hidden_layers, name, device)
+    first = specs[0]
     loaded = LoadedModel(
         model=hf_model,
         base_model=hf_model.base_model,
-        lm_head=hf_model.get_output_embeddings(),
+        head=head,
         tokenizer=tokenizer,
         architecture=name,
         num_layers=text.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.key_dim,
+        value_dim=first.value_dim,
+        layer_specs=specs,
+        attention_route=route,
         vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         dtype=dtype,
         device=device,
-        final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
-        logit_scale=getattr(text, "logit_scale", None),
         phases=phases.seconds,
     )
-    if loaded.lm_head is None:
-        raise UnsupportedModelError(f"{name}: the model has no output embeddings (LM head)")
-    logger.info("loaded %s from %s: %d layers, %d/%d heads, head_dim %d, vocab %d, %s on %s",
-                name, model, loaded.num_layers, num_heads, loaded.num_kv_heads, head_dim,
-                loaded.vocab_size, dtype, device)
+    logger.info("loaded %s from %s: %d layers, %d/%d heads, key/value width %d/%d, vocab %d, "
+                "%s on %s (attention via %s)", name, model, loaded.num_layers, first.num_heads,
+                first.num_kv_heads, first.key_dim, first.value_dim, loaded.vocab_size, dtype,
+                device, route)
     return loaded
+
+
+def _probe(hf_model: torch.nn.Module, head: ModelHead, num_layers: int, name: str,
+           device: torch.device) -> dict[int, LayerSpec]:
+    """The attention probe, plus a check that the head path on the base model's output
+    reproduces the full CausalLM forward's logits for the same token."""
+    base = hf_model.base_model
+    outputs = []
+
+    def forward(ids, positions, ctx):
+        out = base(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
+                   use_cache=False, **{STEP_KWARG: ctx})
+        outputs.append(out[0][0])
+        return out
+
+    def full(ids, positions, ctx):
+        token = CURRENT_STEP.set(ctx)  # CausalLMs need not pass extra keywords down
+        try:
+            out = hf_model(input_ids=ids[None], position_ids=positions[None],
+                           attention_mask=None, use_cache=False)
+        finally:
+            CURRENT_STEP.reset(token)
+        outputs.append(out.logits[0])
+        return out
+
+    try:
+        specs = probe_layers(forward, num_layers, name, device)
+        probe_layers(full, num_layers, name, device)
+    except UnsupportedAttentionError as exc:
+        raise UnsupportedModelError(str(exc)) from None
+    err = check_head(hf_model, head, outputs[0], outputs[1])
+    if err is not None:
+        raise UnsupportedModelError(
+            f"{name}: logits through its head path differ from its own forward's by {err:.3g}"
+            " (its CausalLM does more than project the base model's output)")
+    head.use_output_embeddings_if_equal(hf_model.get_output_embeddings())
+    return specs
 
 
 def _eos_ids(hf_model: Any, tokenizer: Any) -> list[int]:

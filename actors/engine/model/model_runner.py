@@ -244,11 +244,6 @@ class ModelRunner:
         return out[0][0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on ``[R, hidden]`` rows -> ``[R, vocab]`` logits in the model dtype."""
-        logits = self.loaded.lm_head(hidden)[:, :self.vocab_size]
-        if self.loaded.logit_scale is not None:
-            logits = logits * self.loaded.logit_scale
-        cap = self.loaded.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        """The model's own head path (LM head and every model-specific scaling after it, see
+        ``actors.engine.model.lm_head``) on ``[R, hidden]`` rows -> ``[R, vocab]`` logits."""
+        return self.loaded.head(hidden)[:, :self.vocab_size]

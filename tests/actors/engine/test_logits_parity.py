@@ -87,8 +87,9 @@ def test_sliding_window_is_exercised(arch_model, hf_reference):
     backend = engine.executor.runner.backend
     original = TorchAttentionBackend.forward
 
-    def no_window(plan, layer_idx, q, k, v, *, scaling, sliding_window=None):
-        return original(backend, plan, layer_idx, q, k, v, scaling=scaling, sliding_window=None)
+    def no_window(plan, layer_idx, q, k, v, *, scaling, sliding_window=None, **extra):
+        return original(backend, plan, layer_idx, q, k, v, scaling=scaling, sliding_window=None,
+                        **extra)
 
     backend.forward = no_window
     prompt = random_prompts([20], engine.loaded.vocab_size, seed=3)[0]

@@ -32,6 +32,8 @@ __all__ = [
 
 
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
+#: (key width, value width) FlashInfer's kernels are used for: equal widths, and MLA's 192/128
+_SUPPORTED_DIMS = {(d, d) for d in _SUPPORTED_HEAD_DIMS} | {(192, 128)}
 _logged: set[tuple[str, str]] = set()
 
 
@@ -52,9 +54,14 @@ _FLASHINFER: bool | None = None
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
-                         head_dim: int) -> str:
-    """The concrete backend for ``name``: "auto" picks FlashInfer on CUDA for bf16/fp16 and a
-    supported head_dim when it is installed, else the torch reference (logged once)."""
+                         head_dim: int, *, value_dim: int | None = None,
+                         layer_specs: dict | None = None) -> str:
+    """The concrete backend for ``name``: "auto" picks FlashInfer on CUDA for bf16/fp16,
+    supported key/value widths (``head_dim`` / ``value_dim``) and layers FlashInfer has a
+    variant for (not soft-capping together with sinks, from ``layer_specs``) when it is
+    installed, else the torch reference (logged once)."""
+    both = any(getattr(s, "softcap", None) and getattr(s, "has_sinks", False)
+               for s in (layer_specs or {}).values())
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"engine.attention_backend: unknown backend {name!r}")
     if name == "flashinfer":
@@ -66,6 +73,9 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         if not flashinfer_available():
             raise ValueError("engine.attention_backend: 'flashinfer' is not installed "
                              "(pip install raygen[gpu]); use 'auto' or 'torch'")
+        if both:
+            raise ValueError("engine.attention_backend: 'flashinfer' has no kernel for "
+                             "soft-capping together with attention sinks; use 'torch'")
         return name
     if name == "torch":
         return name
@@ -74,8 +84,10 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
         reason = "not on CUDA"
     elif dtype not in (torch.bfloat16, torch.float16):
         reason = f"dtype {dtype}"
-    elif head_dim not in _SUPPORTED_HEAD_DIMS:
-        reason = f"head_dim {head_dim}"
+    elif (head_dim, value_dim or head_dim) not in _SUPPORTED_DIMS:
+        reason = f"key/value widths {head_dim}/{value_dim or head_dim}"
+    elif both:
+        reason = "soft-capping together with attention sinks"
     elif not flashinfer_available():
         reason = "flashinfer is not installed"
     chosen = "torch" if reason else "flashinfer"
@@ -91,15 +103,18 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
 
 def get_attention_backend(
     name: str, kv_cache: Any, *, num_heads: int, num_kv_heads: int, head_dim: int,
-    layer_specs: dict[int, tuple[int | None, float]] | None = None,
+    layer_specs: dict | None = None,
     max_model_len: int | None = None,
 ) -> AttentionBackend:
     """Builds the backend ``name`` ("auto" | "torch" | "flashinfer") over ``kv_cache``.
 
-    ``layer_specs`` (``{layer: (sliding_window, scaling)}``, from the load-time probe) and
+    ``layer_specs`` (``{layer: LayerSpec}``, from the load-time probe) and
     ``max_model_len`` are needed by FlashInfer, which plans windows and scales per step.
     """
-    chosen = resolve_backend_name(name, kv_cache.pool.device, kv_cache.pool.dtype, head_dim)
+    chosen = resolve_backend_name(name, kv_cache.pool.device, kv_cache.pool.dtype,
+                                  getattr(kv_cache, "key_dim", head_dim),
+                                  value_dim=getattr(kv_cache, "value_dim", head_dim),
+                                  layer_specs=layer_specs)
     if chosen == "flashinfer":
         from actors.engine.model.attention.flashinfer_backend import FlashInferBackend
 

@@ -19,7 +19,7 @@ from actors.engine.model.attention.csr import PagedCSR
 
 
 def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_rows: int,
-           causal: bool, window_left: int, heads: tuple[int, int, int, int]) -> None:
+           causal: bool, window_left: int, heads: tuple[int, int, int, int, int]) -> None:
     """Recomputes ``wrapper._plan_info`` for a new step.
 
     Args:
@@ -30,12 +30,12 @@ def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_row
         num_rows: total query rows (T; the batch size for decode).
         causal, window_left: the mask, as in the first plan (made with
             ``use_cuda_graph=False`` and ``disable_split_kv=True``, which this plan keeps).
-        heads: ``(num_qo_heads, num_kv_heads, head_dim, page_size)``.
+        heads: ``(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size)``.
     """
     module = getattr(wrapper, "_cached_module", None)
     if module is None:
         raise RuntimeError("replan: the wrapper was never planned (call its plan() first)")
-    num_qo_heads, num_kv_heads, head_dim, page_size = heads
+    num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size = heads
     args = [
         wrapper._float_workspace_buffer,
         wrapper._int_workspace_buffer,
@@ -49,8 +49,8 @@ def replan(wrapper: Any, qo_indptr_host: torch.Tensor, csr: PagedCSR, *, num_row
         num_kv_heads,
         page_size,
         False,  # enable_cuda_graph: the wrappers are built without it (see flashinfer_backend)
-        head_dim,
-        head_dim,
+        head_dim_qk,
+        head_dim_vo,
         causal,
         window_left,
     ]

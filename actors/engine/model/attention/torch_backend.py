@@ -88,31 +88,64 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         scaling: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md = plan.metadata
-        pages = self.kv_cache.layer(layer_idx)          # [N, 2, bs, Hkv, D]
-        flat = pages.view(-1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(0, plan.k_rows, key.to(flat.dtype))
-        flat.index_copy_(0, plan.v_rows, value.to(flat.dtype))
+        cache = self.kv_cache
+        dk, dv = cache.key_dim, cache.value_dim
+        pages = cache.layer(layer_idx)                  # [N, 2, bs, Hkv, D]
+        flat = pages.view(-1, self.num_kv_heads, cache.head_dim)
+        if dk == dv == cache.head_dim:
+            flat.index_copy_(0, plan.k_rows, key.to(flat.dtype))
+            flat.index_copy_(0, plan.v_rows, value.to(flat.dtype))
+        else:  # MLA: keys and values of different widths in a pool as wide as the widest
+            flat[:, :, :dk].index_copy_(0, plan.k_rows, key.to(flat.dtype))
+            flat[:, :, :dv].index_copy_(0, plan.v_rows, value.to(flat.dtype))
 
-        num_seqs, max_q = md.num_seqs, md.max_query_len
+        num_seqs, max_q, heads = md.num_seqs, md.max_query_len, self.num_heads
         gathered = pages[md.block_tables.long()]        # [B, MB, 2, bs, Hkv, D]
-        k_all = gathered[:, :, 0].reshape(num_seqs, -1, self.num_kv_heads, self.head_dim)
-        v_all = gathered[:, :, 1].reshape(num_seqs, -1, self.num_kv_heads, self.head_dim)
+        k_all = gathered[:, :, 0, ..., :dk].reshape(num_seqs, -1, self.num_kv_heads, dk)
+        v_all = gathered[:, :, 1, ..., :dv].reshape(num_seqs, -1, self.num_kv_heads, dv)
 
         if plan.dense:  # packed order already is the [B, max_q] grid
             q_grid = query
         else:
-            q_grid = query.new_zeros((num_seqs * max_q, self.num_heads, self.head_dim))
+            q_grid = query.new_zeros((num_seqs * max_q, heads, dk))
             q_grid[plan.grid_index] = query
-        q_grid = q_grid.reshape(num_seqs, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_grid,
-            k_all.transpose(1, 2).to(query.dtype),
-            v_all.transpose(1, 2).to(query.dtype),
-            attn_mask=self._mask(plan, sliding_window),
-            scale=scaling,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )                                               # [B, H, max_q, D]
-        out = out.transpose(1, 2).reshape(num_seqs * max_q, self.num_heads, self.head_dim)
+        q_grid = q_grid.reshape(num_seqs, max_q, heads, dk).transpose(1, 2)
+        k_all = k_all.transpose(1, 2).to(query.dtype)   # [B, Hkv, max_kv, Dk]
+        v_all = v_all.transpose(1, 2).to(query.dtype)
+        mask = self._mask(plan, sliding_window)
+        if softcap is None and sinks is None:
+            out = F.scaled_dot_product_attention(
+                q_grid, k_all, v_all, attn_mask=mask, scale=scaling,
+                enable_gqa=heads != self.num_kv_heads)  # [B, H, max_q, Dv]
+        else:
+            out = _explicit_attention(q_grid, k_all, v_all, mask, scaling, softcap, sinks)
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, dv)
         return out if plan.dense else out[plan.grid_index]
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scaling: float, softcap: float | None,
+                        sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with the scores materialised, in transformers' eager order: scale, soft-cap
+    (``cap * tanh(s / cap)``), mask, then a float32 softmax whose denominator also holds each
+    head's sink logit. q ``[B, H, Q, Dk]``, k/v ``[B, Hkv, K, D]``, mask ``[B, 1, Q, K]``."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling        # [B, H, Q, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32).to(q.dtype)[..., :-1]
+    return torch.matmul(probs, v)
