@@ -130,6 +130,30 @@ def test_a_norm_with_another_formula_keeps_its_own_code():
         assert _ulps(ours, reference(ids).logits) <= 2.0
 
 
+def test_a_rotary_function_of_another_layout_keeps_its_own_code():
+    """gpt-oss rotates with half-width cos / sin: the check's call of its function fails on
+    the full-width layout, so the model keeps its own rotary code (and stays exact)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=32, vocab_size=128,
+                                    head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = model.to(DEVICE).eval()
+    reference = copy.deepcopy(model)
+    fused = install_fused_layers(model)
+    home = "transformers.models.gpt_oss.modeling_gpt_oss"
+    assert fused.describe()["rotary"] == [] and f"{home}.apply_rotary_pos_emb" in \
+        fused.describe()["kept"]
+    ids = torch.arange(9, device=DEVICE)[None]
+    with torch.no_grad(), fused.active():
+        ours = model(ids).logits
+    with torch.no_grad():
+        assert _ulps(ours, reference(ids).logits) <= 2.0
+
+
 def test_active_restores_the_modeling_function_after_an_error():
     model = _tiny("qwen2")
     fused = install_fused_layers(model)
