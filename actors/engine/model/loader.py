@@ -109,8 +109,10 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model: str, config: EngineConfig) -> LoadedModel:
+def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> LoadedModel:
     """Loads ``model`` (local directory or hub id) for ``config.device`` / ``config.dtype``.
+    ``on_host`` leaves the weights in host memory (a tensor-parallel rank moves only its
+    shard to the device).
 
     Raises:
         UnsupportedModelError: the architecture cannot run on the engine.
@@ -136,7 +138,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         mark("cuda_init")
     kwargs = dict(dtype=dtype, attn_implementation=ATTENTION_NAME, **common)
     hf_model = None
-    if device.type == "cuda":  # weights straight onto the GPU (no full host copy)
+    if device.type == "cuda" and not on_host:  # weights straight onto the GPU
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(model, device_map=str(device),
                                                             **kwargs)
@@ -146,7 +148,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     if hf_model is None:
         hf_model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     check_model_class(type(hf_model), name)
-    hf_model.to(device).eval().requires_grad_(False)
+    hf_model.to("cpu" if on_host else device).eval().requires_grad_(False)
     mark("model_weights")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)
     mark("tokenizer")
