@@ -1,7 +1,8 @@
 """The collectives of a tensor-parallel replica, over ``torch.distributed``.
 
-One process group per process (the default group): NCCL when every rank has a GPU of its own,
-gloo otherwise (CPU, or several ranks sharing one GPU: NCCL refuses two ranks on a device).
+A private process group per replica over a TCP store on 127.0.0.1 (not the default group, so
+one process can hold several tensor-parallel engines): NCCL when every rank has a GPU of its
+own, gloo otherwise (CPU, or several ranks sharing one GPU: NCCL refuses two ranks on a device).
 Rank 0 drives: every message starts with a fixed ``[HEADER]`` int64 tensor (an op code and its
 integers), broadcast from rank 0, followed by that op's tensors.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import pickle
 import socket
 from typing import Any, Iterator
 
@@ -44,7 +46,7 @@ def rank_device(device: str, rank: int) -> str:
 def choose_backend(device: str, world_size: int) -> str:
     """NCCL when the ranks have a GPU each, gloo otherwise."""
     if device.startswith("cuda") and torch.cuda.device_count() >= world_size \
-            and torch.distributed.is_nccl_available():
+            and hasattr(torch.distributed, "ProcessGroupNCCL"):
         return "nccl"
     return "gloo"
 
@@ -69,8 +71,10 @@ class TPComm:
         self.enabled = True  # False while a rank runs a local-only forward (probes)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=_TIMEOUT)
+        self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0,
+                                    timeout=_TIMEOUT, wait_for_workers=True)
+        group_cls = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+        self.group = group_cls(self._store, rank, world_size, _TIMEOUT)
         logger.info("tensor-parallel rank %d/%d up (%s on %s)", rank, world_size, backend,
                     device)
 
@@ -78,7 +82,7 @@ class TPComm:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks in place (a no-op while disabled)."""
         if self.enabled:
-            torch.distributed.all_reduce(tensor)
+            self.group.allreduce([tensor]).wait()
         return tensor
 
     @contextlib.contextmanager
@@ -107,19 +111,24 @@ class TPComm:
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` to every rank (in place)."""
-        torch.distributed.broadcast(tensor, src=0)
+        self.group.broadcast(tensor, 0).wait()
         return tensor
 
     def broadcast_object(self, value: Any = None) -> Any:
         """A small picklable object from rank 0 (control messages only, never per step)."""
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0,
-                                                device=self.device if self.backend == "nccl"
-                                                else None)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            data = pickle.dumps(value)
+            size[0] = len(data)
+        self.broadcast(size)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(buf)
+        return value if self.rank == 0 else pickle.loads(buf.cpu().numpy().tobytes())
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leaves the group (its connections close; a peer still waiting sees them go)."""
+        self.group = None
+        self._store = None

@@ -1,0 +1,142 @@
+"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama and qwen3 in fp32."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.llm_engine import Engine
+
+CONFIG = dict(device="cpu", dtype="float32", max_num_seqs=6, max_num_batched_tokens=24,
+              max_model_len=96, num_kv_blocks=48, block_size=4)
+
+
+def _requests(vocab: int) -> list[tuple]:
+    prompt = [(7 * j + 3) % vocab for j in range(30)]  # longer than a step: chunked
+    common = dict(max_tokens=10, ignore_eos=True, detokenize=False)
+    return [
+        ("greedy", prompt, dict(temperature=0.0, logprobs=2, **common)),
+        ("shared-prefix", prompt[:20] + [11, 12], dict(temperature=0.0, **common)),
+        ("seeded", [5, 9, 13], dict(temperature=1.0, top_p=0.9, seed=7, **common)),
+        ("forked", [21, 22, 23, 24, 25], dict(temperature=0.8, n=2, seed=3, **common)),
+        ("scored", prompt[:12], dict(temperature=0.0, prompt_logprobs=1, **common)),
+    ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def engines(request, tiny_model_factory):
+    path = tiny_model_factory(request.param)
+    one = Engine(path, CONFIG)
+    two = Engine(path, {**CONFIG, "tensor_parallel_size": 2})
+    yield path, one, two
+    pids = two.replica.pids
+    two.close()
+    assert not any(_alive(p) for p in pids)
+
+
+def _compare(a, b) -> None:
+    assert [(o.id, o.sample_index) for o in a] == [(o.id, o.sample_index) for o in b]
+    for x, y in zip(a, b):
+        assert x.output_token_ids == y.output_token_ids, x.id
+        assert x.finish_reason == y.finish_reason
+        for p, q in zip(x.raw_logprobs, y.raw_logprobs):
+            assert abs(p - q) <= 1e-5, x.id
+        for p, q in zip(x.logprobs or [], y.logprobs or []):
+            assert abs(p - q) <= 1e-5, x.id
+        for p, q in zip(x.prompt_logprobs or [], y.prompt_logprobs or []):
+            assert (p is None and q is None) or abs(p - q) <= 1e-5, x.id
+
+
+def test_two_ranks_match_one(engines):
+    _, one, two = engines
+    requests = _requests(one.loaded.vocab_size)
+    a = one.generate(requests, token_logprobs=True)
+    b = two.generate(requests, token_logprobs=True)
+    assert all(o.finish_reason == "length" for o in a)
+    _compare(a, b)
+    assert two.info()["tensor_parallel_size"] == 2
+    # a second round reuses the prefix cache of rank 0's blocks on both ranks' pages
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+
+
+def test_update_weights_full_tensors(engines):
+    from transformers import AutoModelForCausalLM
+
+    path, one, two = engines
+    assert two.weights.spec() == one.weights.spec()  # full HF shapes on rank 0
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    scaled = {k: v * 1.05 for k, v in full.items()}
+    requests = _requests(one.loaded.vocab_size)[:3]
+    before = one.generate(requests, token_logprobs=True)
+    one.update_weights(scaled)
+    two.update_weights(scaled)
+    after = one.generate(requests, token_logprobs=True)
+    assert [o.raw_logprobs for o in after] != [o.raw_logprobs for o in before]
+    _compare(after, two.generate(requests, token_logprobs=True))
+    with pytest.raises(ValueError, match="shape"):
+        name = next(k for k in full if k.endswith("q_proj.weight"))
+        two.update_weights({name: full[name][:2]})
+    one.update_weights(full)
+    two.update_weights(iter(full.items()))  # an iterator of pairs too
+    _compare(before, two.generate(requests, token_logprobs=True))
+
+
+def test_sleep_and_wake_on_every_rank(engines):
+    path, one, two = engines
+    requests = _requests(one.loaded.vocab_size)[:3]
+    reference = one.generate(requests, token_logprobs=True)
+    assert two.sleep(1)["kv_cache"] > 0
+    two.wake_up()
+    _compare(reference, two.generate(requests, token_logprobs=True))
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    freed = two.sleep(2)
+    assert freed["weights"] > 0
+    two.wake_up(["weights"])
+    two.update_weights(full)
+    two.wake_up(["kv_cache"])
+    _compare(reference, two.generate(requests, token_logprobs=True))
+
+
+def test_size_checked():
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_heads_must_divide(tiny_llama):
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size: must divide the "
+                                         "model's 4 attention heads, got 3"):
+        Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 3})
+
+
+def test_dropped_engine_ends_its_ranks_and_a_dead_rank_is_reported(tiny_llama):
+    engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
+    (pid,) = engine.replica.pids
+    assert _alive(pid)
+    proc = engine.replica.procs[0]
+    del engine
+    gc.collect()
+    assert proc.poll() is not None and not _alive(pid)
+
+    engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
+    proc = engine.replica.procs[0]
+    proc.kill()
+    proc.wait()
+    engine.add_request("x", [1, 2, 3], dict(max_tokens=2))
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+        engine.step()
+    engine.close()
