@@ -142,14 +142,15 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
 
 
 def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
-    from jobs.cluster import actor_factory, check_resources, connect
+    from jobs.cluster import actor_factory, check_resources, connect, replica_gpus
     from jobs.dispatch import Dispatcher, shards_at_once
 
     if actor_cls is None:
         from actors.actor import GenerationActor as actor_cls
 
     connect(config.ray_address)
-    check_resources(config.num_actors, config.num_gpus_per_actor)
+    gpus = replica_gpus(engine, config.num_gpus_per_actor)  # per replica (actor)
+    check_resources(config.num_actors, gpus)
 
     def commit(result: ShardResult, actor: str) -> None:
         entry = {"part": result.part, "rows": result.rows, "output_rows": result.output_rows,
@@ -170,7 +171,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
 
     fill = fill_rows(config)  # 0: shards run one at a time, two per actor at once
     dispatcher = Dispatcher(
-        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor,
+        actor_factory(actor_cls, config.model, engine, gpus,
                       shards_at_once=shards_at_once(fill)),
         min(config.num_actors, len(todo)),
         lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),
