@@ -7,6 +7,10 @@
 - rowwise ``nn.Linear`` (o/down): this rank's slice of the input features, then an all-reduce
   of the output (a forward hook); the bias stays on rank 0 only (zeros elsewhere), so it is
   added once;
+- MoE experts stored as 3D parameters (``[experts, out, in]``): "packed_colwise" gate_up
+  keeps this rank's slice of the gate half and of the up half, "rowwise" down its slice of
+  the input features, and the experts module ("moe_tp_experts") all-reduces its output; the
+  router is replicated (expert parallelism is not done);
 - embedding and LM head are replicated (every rank holds them whole);
 - styles that only matter for training (``replicated_with_grad_allreduce``) keep the module
   whole; any other style (fused MoE experts, sequence parallel, ...) is refused.
@@ -93,6 +97,11 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
         style = next((s for p, s in patterns if p.fullmatch(rel)), None)
         if style is None or style in _REPLICATED:
             continue
+        if style == "moe_tp_experts":
+            module.register_forward_hook(lambda _m, _i, out: comm.all_reduce(out))
+            if hasattr(module, "intermediate_dim"):
+                module.intermediate_dim //= tp
+            continue
         if style not in ("colwise", "rowwise") or not isinstance(module, torch.nn.Linear):
             raise UnsupportedModelError(
                 f"{loaded.architecture}: module {name!r} has tensor-parallel style {style!r} "
@@ -126,11 +135,49 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
             slices[f"{name}.{pname}"] = ShardSlice(tuple(param.shape), take)
             param.data = take(param.data)
         module.in_features, module.out_features = module.weight.shape[1], module.weight.shape[0]
+    _shard_expert_parameters(model, patterns, prefix, rank, tp, slices, loaded.architecture)
     local_heads = heads // tp
     for module in model.modules():  # eager-style code reads the group size
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = local_heads // local_kv
     return dataclasses.replace(loaded, num_heads=local_heads, num_kv_heads=local_kv), slices
+
+
+def _packed_halves(rank: int, tp: int, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """dim 1 of ``[E, 2 * width, in]`` (gate then up): this rank's rows of each half."""
+    step = width // tp
+    lo = slice(rank * step, (rank + 1) * step)
+    hi = slice(width + rank * step, width + (rank + 1) * step)
+    return lambda t: torch.cat([t[:, lo], t[:, hi]], dim=1).contiguous()
+
+
+def _shard_expert_parameters(model, patterns, prefix: str, rank: int, tp: int,
+                             slices: dict[str, ShardSlice], architecture: str) -> None:
+    """The plan's entries that name parameters (fused MoE experts), not modules."""
+    for name, param in list(model.named_parameters()):
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        style = next((s for p, s in patterns if p.fullmatch(rel)), None)
+        if style is None or style in _REPLICATED:
+            continue
+        if param.dim() != 3 or style not in ("packed_colwise", "rowwise"):
+            raise UnsupportedModelError(
+                f"{architecture}: parameter {name!r} {tuple(param.shape)} has tensor-parallel "
+                f"style {style!r}; only 3-D expert weights (packed_colwise / rowwise) are "
+                "supported")
+        if style == "packed_colwise":
+            width = param.shape[1] // 2
+            if param.shape[1] % 2 or width % tp:
+                raise _fail(f"must divide the expert width ({width}) of {name!r}", tp)
+            take = _packed_halves(rank, tp, width)
+        else:
+            width = param.shape[2]
+            if width % tp:
+                raise _fail(f"must divide the expert width ({width}) of {name!r}", tp)
+            step = width // tp
+            take = (lambda lo, hi: lambda t: t[:, :, lo:hi].contiguous())(
+                rank * step, (rank + 1) * step)
+        slices[name] = ShardSlice(tuple(param.shape), take)
+        param.data = take(param.data)
 
 
 def load_shard(model: str, config, comm: TPComm) -> tuple[LoadedModel, dict[str, ShardSlice]]:

@@ -140,3 +140,63 @@ def test_dropped_engine_ends_its_ranks_and_a_dead_rank_is_reported(tiny_llama):
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
         engine.step()
     engine.close()
+
+
+def test_kv_heads_replicated_over_four_ranks(tiny_llama):
+    """4 ranks, 4 heads, 2 KV heads: each rank keeps one query head and a copy of its KV
+    head."""
+    one = Engine(tiny_llama, CONFIG)
+    four = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 4})
+    assert (four.loaded.num_heads, four.loaded.num_kv_heads) == (1, 1)
+    assert four.kv_cache.pool.shape[-2] == 1  # the pool holds this rank's KV head only
+    requests = _requests(one.loaded.vocab_size)
+    _compare(one.generate(requests, token_logprobs=True),
+             four.generate(requests, token_logprobs=True))
+    pids = four.replica.pids
+    four.close()
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (4 experts, top 2; layer 1 a dense MLP) with fused 3-D experts."""
+    import transformers
+
+    from toolkit.tiny_model import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-moe")
+    tokenizer = train_tokenizer(512)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        decoder_sparse_step=1, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_moe_experts_sharded(tiny_moe):
+    from transformers import AutoModelForCausalLM
+
+    one = Engine(tiny_moe, CONFIG)
+    two = Engine(tiny_moe, {**CONFIG, "tensor_parallel_size": 2})
+    experts = two.loaded.model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (4, 32, 64)  # [experts, 2 * 32 / 2, hidden]
+    assert tuple(experts.down_proj.shape) == (4, 64, 16)
+    requests = _requests(one.loaded.vocab_size)
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+    full = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).state_dict()
+    scaled = {k: v * 0.9 for k, v in full.items()}
+    one.update_weights(scaled)
+    two.update_weights(scaled)
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+    two.close()
