@@ -93,6 +93,8 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
             device=device, block_size=bs, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, reserved=reserved)
+        if comm is not None and comm.ranks_per_device > 1:  # the GPU's ranks share it
+            num_blocks //= comm.ranks_per_device
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"engine: {num_blocks} KV blocks of {bs} tokens cannot hold one sequence of "

@@ -69,6 +69,9 @@ class TPComm:
         self.device = torch.device(device)
         self.backend = backend
         self.enabled = True  # False while a rank runs a local-only forward (probes)
+        # ranks on one GPU (gloo): each sizes its KV pool from its share of the device
+        self.ranks_per_device = world_size if self.device.type == "cuda" \
+            and torch.cuda.device_count() < world_size else 1
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0,
