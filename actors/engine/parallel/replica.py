@@ -54,11 +54,13 @@ class Replica:
         backend = choose_backend(config.device, tp)
         common = dict(world_size=tp, port=port, model=model, config=config.to_dict(),
                       backend=backend, parent=os.getpid())
+        # the children import from where this process does (a Ray worker's path included)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, tp):
             args = json.dumps({**common, "rank": rank})
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "actors.engine.parallel.worker", args]))
+                [sys.executable, "-m", "actors.engine.parallel.worker", args], env=env))
         try:
             self.comm = TPComm(0, tp, port, rank_device(config.device, 0), backend)
         except BaseException:

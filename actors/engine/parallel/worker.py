@@ -64,6 +64,9 @@ class WorkerRank:
 
             fused = install_fused_layers(loaded.model)
         header = comm.recv_header()
+        self.stopped = header[0] == OP_SHUTDOWN  # rank 0 failed to build its part
+        if self.stopped:
+            return
         assert header[0] == OP_SIZES, f"expected the pool sizes, got op {header[0]}"
         num_blocks, max_model_len = header[1], header[2]
         kv_cache = KVCache(loaded.num_layers, num_blocks, config.block_size,
@@ -91,7 +94,7 @@ class WorkerRank:
         from actors.engine.parallel.step import run_worker_step
 
         comm = self.comm
-        while True:
+        while not self.stopped:
             header = comm.recv_header()
             op = header[0]
             if op == OP_STEP:
