@@ -142,6 +142,7 @@ def test_dropped_engine_ends_its_ranks_and_a_dead_rank_is_reported(tiny_llama):
     engine.close()
 
 
+@pytest.mark.slow
 def test_kv_heads_replicated_over_four_ranks(tiny_llama):
     """4 ranks, 4 heads, 2 KV heads: each rank keeps one query head and a copy of its KV
     head."""
@@ -182,6 +183,7 @@ def tiny_moe(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_moe_experts_sharded(tiny_moe):
     from transformers import AutoModelForCausalLM
 
@@ -200,3 +202,32 @@ def test_moe_experts_sharded(tiny_moe):
     _compare(one.generate(requests, token_logprobs=True),
              two.generate(requests, token_logprobs=True))
     two.close()
+
+
+def test_worker_rank_exits_when_rank_0_is_killed(tiny_llama):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from actors.engine.llm_engine import Engine\n"
+        f"e = Engine({tiny_llama!r}, {{**{CONFIG!r}, 'tensor_parallel_size': 2}})\n"
+        "print(e.replica.pids[0], flush=True)\n"
+        "sys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(rank0.stdout.readline())
+        assert _alive(worker)
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait()
+        deadline = time.monotonic() + 15
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker)
+    finally:
+        rank0.kill()
+        rank0.wait()
