@@ -63,6 +63,7 @@ def check_model(config: JobConfig) -> None:
             raise ValueError(f"config.model: {model!r}/config.json names no model_type")
         if data.get("auto_map") and not config.trust_remote_code:
             _refuse_remote_code(model, data)
+        _check_heads(config, data.get("text_config") or data)
         return
     from transformers import AutoConfig
 
@@ -71,6 +72,19 @@ def check_model(config: JobConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure here means an unusable model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"config.model: cannot load {model!r}: {first}") from None
+
+
+def _check_heads(config: JobConfig, text: dict) -> None:
+    """``engine.tensor_parallel_size`` against the heads of a local config.json, before any
+    actor starts."""
+    from actors.engine.config import check_tensor_parallel
+
+    tp, heads = config.engine.get("tensor_parallel_size", 1), text.get("num_attention_heads")
+    if isinstance(tp, int) and tp > 1 and isinstance(heads, int):
+        try:
+            check_tensor_parallel(tp, heads, text.get("num_key_value_heads") or heads)
+        except ValueError as exc:
+            raise ValueError(f"config.{exc}") from None
 
 
 def _refuse_remote_code(model: str, data: dict) -> None:

@@ -114,7 +114,8 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
         from actors.engine.parallel.step import TPModelRunner as runner_cls
     runner = runner_cls(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
                         max_model_len=max_model_len, fused=fused)
-    runner.comm = comm
+    if comm is not None:
+        runner.comm = comm
     with comm.local() if comm is not None else nullcontext():
         layer_specs = probe_attention_layers(runner)
     if backend_name != "torch":

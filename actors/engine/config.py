@@ -181,6 +181,18 @@ class EngineConfig:
 FIELD_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
+def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:
+    """Raises ``ValueError`` naming ``engine.tensor_parallel_size`` when ``tp`` ranks cannot
+    split the heads: it must divide the attention heads, and divide the KV heads or be a
+    multiple of them (KV heads are then replicated). Widths are checked while sharding."""
+    if num_heads % tp:
+        raise _fail("tensor_parallel_size", f"must divide the model's {num_heads} attention "
+                    "heads", tp)
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise _fail("tensor_parallel_size", f"must divide the model's {num_kv_heads} KV "
+                    "heads, or be a multiple of them (KV heads are then replicated)", tp)
+
+
 def _default_device() -> str:
     import torch
 

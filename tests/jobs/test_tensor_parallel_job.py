@@ -114,3 +114,12 @@ def test_two_ranks_write_the_token_ids_of_one_and_a_killed_rank_is_retried(tp_jo
     assert result.shards_retried >= 1 and result.shards_failed == 0 and result.errors == 0
     assert_identical(read_output(tmp_path / "out"), two)
     assert _gone(_pids(kill_dir))
+
+
+def test_heads_checked_before_any_actor_starts(tiny_llama, tmp_path):
+    write_jsonl(tmp_path / "in" / "rows.jsonl", acceptance_rows(2))
+    config = {"model": tiny_llama, "input": str(tmp_path / "in"), "output": str(tmp_path / "o"),
+              "num_gpus_per_actor": 0, "engine": {"tensor_parallel_size": 3}}
+    with pytest.raises(ValueError, match=r"config\.engine\.tensor_parallel_size: must divide "
+                                         r"the model's 4 attention heads, got 3"):
+        run_job(config, progress=False)

@@ -30,13 +30,13 @@ def precheck(model: str, config: Any) -> None:
     (``ValueError`` naming ``engine.tensor_parallel_size``)."""
     from transformers import AutoConfig
 
-    from actors.engine.parallel.sharding import check_divisibility
+    from actors.engine.config import check_tensor_parallel
 
     text = AutoConfig.from_pretrained(model, trust_remote_code=config.trust_remote_code,
                                       revision=config.revision).get_text_config()
     heads = text.num_attention_heads
-    check_divisibility(heads, getattr(text, "num_key_value_heads", None) or heads,
-                       config.tensor_parallel_size)
+    check_tensor_parallel(config.tensor_parallel_size, heads,
+                          getattr(text, "num_key_value_heads", None) or heads)
 
 
 class Replica:

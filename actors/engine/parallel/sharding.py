@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from actors.engine.config import check_tensor_parallel
 from actors.engine.model.loader import LoadedModel, UnsupportedModelError
 from actors.engine.parallel.comm import TPComm
 
@@ -44,16 +45,6 @@ class ShardSlice:
 
 def _fail(rule: str, value: int) -> ValueError:
     return ValueError(f"engine.tensor_parallel_size: {rule}, got {value}")
-
-
-def check_divisibility(num_heads: int, num_kv_heads: int, tp: int) -> None:
-    """Raises ``ValueError`` naming ``engine.tensor_parallel_size`` when the heads cannot be
-    split (the MLP widths are checked per module while sharding)."""
-    if num_heads % tp:
-        raise _fail(f"must divide the model's {num_heads} attention heads", tp)
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise _fail(f"must divide the model's {num_kv_heads} KV heads, or be a multiple of "
-                    "them (KV heads are then replicated)", tp)
 
 
 def compile_plan(plan: dict[str, str]) -> list[tuple[re.Pattern, str]]:
@@ -79,7 +70,7 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
     (its head counts) and the slicers keyed by full state-dict name."""
     tp, rank = comm.world_size, comm.rank
     heads, kv_heads, head_dim = loaded.num_heads, loaded.num_kv_heads, loaded.head_dim
-    check_divisibility(heads, kv_heads, tp)
+    check_tensor_parallel(tp, heads, kv_heads)
     model = loaded.model
     text = model.config.get_text_config()
     plan = getattr(text, "base_model_tp_plan", None) or {}
