@@ -55,7 +55,8 @@ class JobConfig:
             column names. A row needs one of the three prompt columns.
         sampling_params: job defaults (vLLM field names); a row's own params override them
             field by field.
-        num_actors: size of the actor pool. num_gpus_per_actor: 0 runs on CPU.
+        num_actors: size of the actor pool (replicas). num_gpus_per_actor: GPUs per rank
+            (``engine.tensor_parallel_size`` ranks per replica); 0 runs on CPU.
         rows_per_shard: input rows per shard (the unit of work, commit and retry).
         seed: job seed; unseeded rows use a seed derived from (seed, row id).
         max_shard_attempts: attempts per shard before its rows are written as error rows.

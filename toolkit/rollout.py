@@ -27,7 +27,9 @@ class RolloutPool:
         model: local directory or hub id (read once, when the actors start).
         num_actors: actors in the pool.
         engine: ``EngineConfig`` fields (dict) or an ``EngineConfig``.
-        num_gpus_per_actor: GPUs per actor; 0 runs the engines on CPU.
+        num_gpus_per_actor: GPUs per actor; 0 runs the engines on CPU. With
+            ``engine={"tensor_parallel_size": tp}`` an actor is a replica of ``tp`` ranks and
+            reserves ``tp * num_gpus_per_actor`` GPUs.
         num_cpus_per_actor: CPUs Ray reserves per actor.
         logprob_columns: default logprob columns of ``generate`` (see ``actors.rollout_table``).
         ray_address: Ray to connect to (None: the current one, ``RAY_ADDRESS``, else a local
@@ -47,7 +49,7 @@ class RolloutPool:
                  ray_address: str | None = None):
         from actors.engine.engine_config import EngineConfig
         from actors.rollout_table import canonical_columns
-        from jobs.cluster import check_resources, connect
+        from jobs.cluster import check_resources, connect, replica_gpus
 
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors: must be an integer >= 1, got {num_actors!r}")
@@ -61,13 +63,14 @@ class RolloutPool:
         self.model = str(model)
         self.logprob_columns = canonical_columns(logprob_columns)
         connect(ray_address)
-        check_resources(num_actors, num_gpus_per_actor)
+        num_gpus = replica_gpus(options, num_gpus_per_actor)  # per replica: GPUs x ranks
+        check_resources(num_actors, num_gpus)
         import ray
 
         from actors.actor import GenerationActor
 
         remote_cls = ray.remote(GenerationActor).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, max_restarts=0,
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus, max_restarts=0,
             max_task_retries=0)
         self._actors = [remote_cls.remote(self.model, options) for _ in range(num_actors)]
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -49,12 +50,22 @@ class EngineParts:
     # kv_cache (profiling step memory and allocating the pool), attention (probe + backend),
     # cuda_graphs (capture), rest
     startup: dict[str, float] = field(default_factory=dict)
+    # tensor parallel: {state-dict name: ShardSlice} of this rank's sharded tensors
+    shard_slices: dict | None = None
 
 
-def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
-    """Loads ``model`` and builds everything an engine needs."""
+def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EngineParts:
+    """Loads ``model`` and builds everything an engine needs. ``comm``: rank 0's
+    ``actors.engine.parallel.comm.TPComm`` when the model is split over several ranks (the
+    other ranks build their part in ``actors.engine.parallel.worker``)."""
     phases = PhaseTimer()
-    loaded = load_model(model, config)
+    slices = None
+    if comm is None:
+        loaded = load_model(model, config)
+    else:
+        from actors.engine.parallel.sharding import load_shard
+
+        loaded, slices = load_shard(model, config, comm)
     phases.add(loaded.phases)
     max_model_len = config.max_model_len or loaded.max_position_embeddings \
         or _DEFAULT_MAX_MODEL_LEN
@@ -74,25 +85,39 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
     if num_blocks is None:
         reserved = 0
         if device.type == "cuda" and config.kv_cache_memory is None:
-            reserved = profile_step_memory(loaded, config, fused) + _CUDA_WORKSPACE_RESERVE
+            with comm.local() if comm is not None else nullcontext():
+                reserved = profile_step_memory(loaded, config, fused)
+            reserved += _CUDA_WORKSPACE_RESERVE
         num_blocks = compute_num_blocks(
             per_block=bytes_per_block(loaded.num_layers, bs, loaded.num_kv_heads,
                                       pool_head_dim(loaded), loaded.dtype),
             device=device, block_size=bs, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, reserved=reserved)
+        if comm is not None and comm.ranks_per_device > 1:  # the GPU's ranks share it
+            num_blocks //= comm.ranks_per_device
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"engine: {num_blocks} KV blocks of {bs} tokens cannot hold one sequence of "
             f"max_model_len={max_model_len}; lower max_model_len or raise num_kv_blocks")
+    if comm is not None:  # the other ranks size their pools (their KV heads) alike
+        from actors.engine.parallel.comm import OP_SIZES
+
+        comm.send_header(OP_SIZES, num_blocks, max_model_len)
     kv_cache = make_kv_cache(loaded, num_blocks, bs, device,
                              num_scratch_blocks=1 if use_graphs else 0)
     phases.mark("kv_cache")
     reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
                                       loaded.head_dim)
-    runner = ModelRunner(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
-                         max_model_len=max_model_len, fused=fused)
-    layer_specs = probe_attention_layers(runner)
+    runner_cls = ModelRunner
+    if comm is not None:
+        from actors.engine.parallel.step import TPModelRunner as runner_cls
+    runner = runner_cls(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
+                        max_model_len=max_model_len, fused=fused)
+    if comm is not None:
+        runner.comm = comm
+    with comm.local() if comm is not None else nullcontext():
+        layer_specs = probe_attention_layers(runner)
     if backend_name != "torch":
         runner.set_backend(get_attention_backend(
             backend_name, kv_cache, num_heads=loaded.num_heads,
@@ -125,7 +150,7 @@ def build_engine_parts(model: str, config: EngineConfig) -> EngineParts:
                               vocab_size=loaded.vocab_size)
     phases.mark("rest")
     return EngineParts(loaded, max_model_len, kv_cache, runner, scheduler, sampler, inputs,
-                       outputs, phases.seconds)
+                       outputs, phases.seconds, slices)
 
 
 def pool_head_dim(loaded: LoadedModel) -> int:
@@ -166,7 +191,13 @@ def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
 
 
 def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:
-    """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend)."""
+    """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend,
+    and one rank: with tensor parallelism decode runs eagerly, docs/tensor_parallel.md)."""
+    if config.tensor_parallel_size > 1:
+        if config.cuda_graphs:
+            raise ValueError("engine.cuda_graphs: not supported with tensor_parallel_size > 1 "
+                             "yet (decode runs eagerly on every rank)")
+        return False
     missing = None if backend_name == "flashinfer" else (
         f"they need the flashinfer attention backend (attention backend is {backend_name})")
     return _cuda_feature("cuda_graphs", config.cuda_graphs, device, missing)

@@ -63,6 +63,9 @@ class EngineConfig:
             and the LM head (their tiling follows the step's token count, padded to the
             CUDA-graph bucket), and on CPU the torch reference attention (it pads to the
             longest sequence of the step). Costs prefill throughput (one prompt per step).
+        tensor_parallel_size: ranks the model is split over (``actors.engine.parallel``);
+            1 runs the whole model in this process. Its divisibility by the model's heads
+            and MLP width is checked when the model config is read.
     """
 
     dtype: DType = "auto"
@@ -87,6 +90,7 @@ class EngineConfig:
     revision: str | None = None
     tokenizer: str | None = None
     batch_invariant: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -96,7 +100,7 @@ class EngineConfig:
         ):
             raise _fail("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:<index>'", self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "prompt_logprobs_chunk"):
+                     "prompt_logprobs_chunk", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _fail(name, "must be an integer >= 1", value)
@@ -175,6 +179,18 @@ class EngineConfig:
 
 
 FIELD_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:
+    """Raises ``ValueError`` naming ``engine.tensor_parallel_size`` when ``tp`` ranks cannot
+    split the heads: it must divide the attention heads, and divide the KV heads or be a
+    multiple of them (KV heads are then replicated). Widths are checked while sharding."""
+    if num_heads % tp:
+        raise _fail("tensor_parallel_size", f"must divide the model's {num_heads} attention "
+                    "heads", tp)
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise _fail("tensor_parallel_size", f"must divide the model's {num_kv_heads} KV "
+                    "heads, or be a multiple of them (KV heads are then replicated)", tp)
 
 
 def _default_device() -> str:

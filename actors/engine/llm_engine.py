@@ -85,7 +85,17 @@ class Engine:
 
     def __init__(self, model: str, config: EngineConfig | Mapping[str, Any] | None = None):
         self.config = EngineConfig.coerce(config)
-        parts: EngineParts = build_engine_parts(str(model), self.config)
+        self.replica = None  # actors.engine.parallel.replica.Replica with tensor parallelism
+        if self.config.tensor_parallel_size > 1:
+            from actors.engine.parallel.replica import Replica
+
+            self.replica = Replica(str(model), self.config)
+        try:
+            parts: EngineParts = build_engine_parts(
+                str(model), self.config, self.replica.comm if self.replica else None)
+        except BaseException:
+            self.close()
+            raise
         self.model_name = str(model)
         self.startup = parts.startup  # seconds of each build phase
         self.loaded = parts.loaded
@@ -104,7 +114,7 @@ class Engine:
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.RLock()
         self._arrivals = itertools.count()
-        self.weights = WeightLoader(self.loaded.model)
+        self.weights = WeightLoader(self.loaded.model, parts.shard_slices)
         self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
         self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
         self.counters = StepCounters()
@@ -238,6 +248,8 @@ class Engine:
             wait_before, cpu_before = self.counters.device_wait_s, self.counters.cpu_s
             if self._blocked is not None and self.has_unfinished_requests():
                 raise RuntimeError(self._blocked)
+            if self.replica is not None:
+                self.replica.check_alive()
             self._drain_inbox()
             sched = self.scheduler.schedule()
             for slot in sched.released_slots:
@@ -358,7 +370,16 @@ class Engine:
         with self._step_lock:
             self._quiesce("update_weights")
             try:
-                return self.weights.load(weights)
+                if self.replica is None:
+                    return self.weights.load(weights)
+                from actors.engine.parallel.worker import send_weights
+                from actors.engine.weights import WeightPayload, as_tensor_pairs
+
+                items = as_tensor_pairs(weights)  # full tensors: every rank takes its slice
+                whole = isinstance(weights, (Mapping, WeightPayload))  # all or nothing
+                stats = self.weights.load(weights if whole else items)  # checked on rank 0
+                send_weights(self.replica.comm, items)
+                return stats
             finally:  # also after a partial (iterator) update that failed midway
                 self.scheduler.bm.reset_prefix_cache()
                 self._blocked = self.memory.blocked_reason()
@@ -370,6 +391,10 @@ class Engine:
         with self._step_lock:
             self._quiesce("sleep")
             freed = self.memory.sleep(level)
+            if self.replica is not None:
+                from actors.engine.parallel.comm import OP_SLEEP
+
+                self.replica.comm.send_header(OP_SLEEP, level)
             self.scheduler.bm.reset_prefix_cache()
             self._blocked = self.memory.blocked_reason()
             return freed
@@ -379,10 +404,23 @@ class Engine:
         and, on CUDA, captures the decode graphs again."""
         with self._step_lock:
             self.memory.wake_up(tags)
+            if self.replica is not None:
+                from actors.engine.parallel.comm import OP_WAKE
+                from actors.engine.parallel.worker import wake_mask
+
+                self.replica.comm.send_header(OP_WAKE, wake_mask(tags))
             self._blocked = self.memory.blocked_reason()
 
+    def close(self) -> None:
+        """Ends the other tensor-parallel ranks (idempotent; also done when the engine is
+        garbage-collected). A one-rank engine has nothing to end."""
+        if self.replica is not None:
+            self.replica.close()
+
     def reset_prefix_cache(self) -> None:
-        """Forgets the prefix cache (cached KV computed with other weights is never reused)."""
+        """Forgets the prefix cache (cached KV computed with other weights is never reused).
+        With tensor parallelism the cache lives on rank 0 alone: the other ranks only run the
+        block tables rank 0 sends."""
         with self._step_lock:
             self.scheduler.bm.reset_prefix_cache()
 
@@ -415,6 +453,7 @@ class Engine:
             "fused_layers": (None if self.executor.runner.fused is None
                              else self.executor.runner.fused.describe()),
             "sleep_level": self.memory.level,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
     @property

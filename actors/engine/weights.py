@@ -116,15 +116,26 @@ def iter_weights(weights: Any) -> Iterator[tuple[str, Any]]:
     return iter(weights)
 
 
+def as_tensor_pairs(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of any accepted ``weights`` (numpy arrays as tensors), all
+    read at once (a tensor-parallel engine sends each of them to every rank)."""
+    return [(name, torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+            for name, v in iter_weights(weights)]
+
+
 class WeightLoader:
     """Loads named tensors into a model's parameters and persistent buffers, in place.
 
     Args:
         model: the loaded ``transformers`` model.
+        shards: with tensor parallelism, ``{name: ShardSlice}`` of the tensors this rank
+            holds a slice of (``actors.engine.parallel.sharding``): those names take the full
+            HF tensor, checked against the full shape, and keep this rank's slice.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, shards: Mapping[str, Any] | None = None):
         self.model = model
+        self.shards = dict(shards or {})
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self.missing: set[int] = set()  # id() of parameters that hold no weights (sleep 2)
         self.discarded = False           # parameters freed (between discard and restore)
@@ -133,8 +144,12 @@ class WeightLoader:
     # ------------------------------------------------------------------ checks
     def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype name)}`` of every loadable tensor (for checks elsewhere)."""
-        return {name: (tuple(self._shape(t)), str(t.dtype).replace("torch.", ""))
+        return {name: (self._full_shape(name), str(t.dtype).replace("torch.", ""))
                 for name, t in self.targets.items()}
+
+    def _full_shape(self, name: str) -> tuple[int, ...]:
+        shard = self.shards.get(name)
+        return shard.full_shape if shard is not None else tuple(self._shape(self.targets[name]))
 
     def _shape(self, tensor: torch.Tensor) -> torch.Size:
         saved = self._shapes.get(id(tensor)) if self.discarded else None
@@ -145,7 +160,11 @@ class WeightLoader:
 
     def _check(self, name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
         target = self.targets[name]
-        return target, check_tensor(name, value, tuple(target.shape), target.dtype)
+        shard = self.shards.get(name)
+        if shard is None:
+            return target, check_tensor(name, value, tuple(target.shape), target.dtype)
+        value = check_tensor(name, value, shard.full_shape, target.dtype)
+        return target, shard.take(value)
 
     # ------------------------------------------------------------------ loading
     @torch.no_grad()

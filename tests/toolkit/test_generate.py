@@ -66,3 +66,24 @@ def test_bad_prompt_is_an_error_row_and_bad_options_raise(tiny_llama):
         generate(["x"], model=tiny_llama, max_seqs=3)
     with pytest.raises(ValueError, match="1 entries for 2 prompts"):
         generate(["a", "b"], [None], model=tiny_llama, **OPTIONS)
+
+
+def test_tensor_parallel_generate_and_no_rank_left_behind(tiny_llama):
+    import os
+
+    gen_module = sys.modules["toolkit.generate"]
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["Hello there", [5, 6, 7, 8]]
+    one = [o.output_token_ids for o in generate(prompts, params, model=tiny_llama, **OPTIONS,
+                                                  device="cpu")]
+    two = generate(prompts, params, model=tiny_llama, device="cpu", tensor_parallel_size=2,
+                   **OPTIONS)
+    assert [o.output_token_ids for o in two] == one
+    engine = gen_module._cached[1]
+    (pid,) = engine.replica.pids
+    os.kill(pid, 0)  # alive while the engine is kept
+    clear_engine_cache()
+    assert engine.replica.procs[0].poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -84,8 +84,10 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_model(model: str, config: EngineConfig) -> LoadedModel:
+def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> LoadedModel:
     """Loads ``model`` (local directory or hub id) for ``config.device`` / ``config.dtype``.
+    ``on_host`` leaves the weights in host memory (a tensor-parallel rank moves only its
+    shard to the device).
 
     Raises:
         UnsupportedModelError: the architecture cannot run on the engine.
@@ -112,7 +114,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     attn = ATTENTION_NAME if route == "registry" else "sdpa"
     kwargs = dict(dtype=dtype, attn_implementation=attn, **common)
     hf_model = None
-    if device.type == "cuda":  # weights straight onto the GPU (no full host copy)
+    if device.type == "cuda" and not on_host:  # weights straight onto the GPU
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(model, device_map=str(device),
                                                             **kwargs)
@@ -129,7 +131,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
                 f"{name}: its modeling code picks attention classes by implementation name "
                 f"and has none for {attn!r}") from None
     route = check_model_class(type(hf_model), name)
-    hf_model.to(device).eval().requires_grad_(False)
+    hf_model.to("cpu" if on_host else device).eval().requires_grad_(False)
     capture_step_kwarg(hf_model.base_model)
     if route == "sdpa":
         from actors.engine.model.attention.sdpa_adapter import install_sdpa_adapter
