@@ -97,12 +97,14 @@ def test_rms_norm_fp8_equals_torch(dtype, rows, hidden):
     out_ref, q_ref, scale_ref = rms_norm_fp8_torch(x, w, 1e-6)
     assert out.shape == x.shape and q.shape == (2 * rows, hidden)
     assert torch.equal(out, rms_norm(x, w, 1e-6))  # the plain kernel's output, unchanged
-    if EXACT:
-        assert torch.equal(out, out_ref)
-    _assert_quantized_equal(q, scale, q_ref, scale_ref)
-    # fused == unfused: the quantization of the stored output
-    q2, scale2 = quantize_rows(out.reshape(-1, hidden))
-    assert torch.equal(scale, scale2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    # the norm may differ from torch's in the last bit (test_fused_layers); the quantization
+    # of the output the kernel stored is the oracle's, bit for bit: fused == unfused
+    q_own, scale_own = quantize_rows_torch(out.reshape(-1, hidden))
+    assert torch.equal(scale, scale_own)
+    assert torch.equal(q.view(torch.uint8), q_own.view(torch.uint8))
+    torch.testing.assert_close(scale, scale_ref, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    deq, ref = dequantize_rows(q, scale), dequantize_rows(q_ref, scale_ref)
+    assert float((deq - ref).abs().max()) <= float(scale_ref.max()) * 32  # one e4m3 step
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
