@@ -15,6 +15,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 _SAMPLER_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+_QUANTIZATIONS = (None, "fp8")
 
 
 def _fail(name: str, rule: str, value: Any) -> ValueError:
@@ -63,6 +64,13 @@ class EngineConfig:
             and the LM head (their tiling follows the step's token count, padded to the
             CUDA-graph bucket), and on CPU the torch reference attention (it pads to the
             longest sequence of the step). Costs prefill throughput (one prompt per step).
+        quantization: None (the checkpoint's dtype) or "fp8": the decoder projections run in
+            e4m3 with per-channel weight scales and per-token activation scales
+            (``actors.engine.model.quantization``; docs/fp8.md). A bf16/fp16 checkpoint is
+            quantized at load, an FP8 one (``quant_method`` fp8 or compressed-tensors) loads
+            as it is; embeddings, norms and the LM head stay bf16. Needs a CUDA GPU of compute
+            capability >= 8.9 (Hopper for speed) and bfloat16; refused elsewhere before the
+            model loads. ``update_weights`` takes bf16 tensors and re-quantizes them.
     """
 
     dtype: DType = "auto"
@@ -87,6 +95,7 @@ class EngineConfig:
     revision: str | None = None
     tokenizer: str | None = None
     batch_invariant: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -128,6 +137,11 @@ class EngineConfig:
         for name in ("cuda_graphs", "fused_layers"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true, false or None", getattr(self, name))
+        if self.quantization not in _QUANTIZATIONS:
+            raise _fail("quantization", "must be None or 'fp8'", self.quantization)
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            raise _fail("dtype", "must be bfloat16 (or auto) with quantization 'fp8'",
+                        self.dtype)
         if self.device == "auto":
             self.device = _default_device()
         if self.dtype == "auto":

@@ -415,6 +415,7 @@ class Engine:
             "fused_layers": (None if self.executor.runner.fused is None
                              else self.executor.runner.fused.describe()),
             "sleep_level": self.memory.level,
+            "quantization": self.loaded.quantization,
         }
 
     @property

@@ -5,7 +5,9 @@ Names are those of the Hugging Face state dict (``model.state_dict()``; the name
 read file by file, load as they are. Tied weights (``lm_head.weight`` and
 ``model.embed_tokens.weight``) are one tensor reachable under both names. Every tensor is
 checked (name, shape, dtype) before anything of its batch is copied, and copied into the
-existing parameter storage, so CUDA graphs that read the weights stay valid.
+existing parameter storage, so CUDA graphs that read the weights stay valid. The e4m3 weights
+of FP8 projections (``quantization: fp8``) take floating-point tensors of the model's dtype
+and re-quantize them in place (``Fp8Linear.load_weight``: the weight and its scales).
 
 ``WeightPayload`` carries tensors through Ray's object store as numpy arrays (bf16 as int16
 bits), which Ray hands to every reader without a copy.
@@ -125,7 +127,13 @@ class WeightLoader:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        # "<module>.weight" of each FP8 projection -> the layer that re-quantizes into it
+        self.quantized: dict[str, Fp8Linear] = {
+            f"{name}.weight": module for name, module in model.named_modules()
+            if isinstance(module, Fp8Linear)}
         self.missing: set[int] = set()  # id() of parameters that hold no weights (sleep 2)
         self.discarded = False           # parameters freed (between discard and restore)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
@@ -133,8 +141,13 @@ class WeightLoader:
     # ------------------------------------------------------------------ checks
     def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype name)}`` of every loadable tensor (for checks elsewhere)."""
-        return {name: (tuple(self._shape(t)), str(t.dtype).replace("torch.", ""))
+        return {name: (tuple(self._shape(t)), str(self._dtype(name, t)).replace("torch.", ""))
                 for name, t in self.targets.items()}
+
+    def _dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype a tensor is given in: an FP8 weight takes its layer's compute dtype."""
+        layer = self.quantized.get(name)
+        return tensor.dtype if layer is None else layer.out_dtype
 
     def _shape(self, tensor: torch.Tensor) -> torch.Size:
         saved = self._shapes.get(id(tensor)) if self.discarded else None
@@ -145,7 +158,7 @@ class WeightLoader:
 
     def _check(self, name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
         target = self.targets[name]
-        return target, check_tensor(name, value, tuple(target.shape), target.dtype)
+        return target, check_tensor(name, value, tuple(target.shape), self._dtype(name, target))
 
     # ------------------------------------------------------------------ loading
     @torch.no_grad()
@@ -227,7 +240,11 @@ class WeightLoader:
                 continue
             first[key] = (name, value)
         for key, (name, value) in first.items():
-            self.targets[name].copy_(value)
+            layer = self.quantized.get(name)
+            if layer is not None:
+                layer.load_weight(value)
+            else:
+                self.targets[name].copy_(value)
             self.missing.discard(key)
             seen[key] = name
 

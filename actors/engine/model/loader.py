@@ -44,8 +44,10 @@ class LoadedModel:
     logit_scale: float | None = None
     # seconds of each loading phase: transformers_import, model_config (config + architecture
     # checks, which import the model's module), cuda_init (device context, CUDA only),
-    # model_weights (from_pretrained onto the device), tokenizer
+    # model_weights (from_pretrained onto the device), quantization (fp8 only), tokenizer
     phases: dict[str, float] = field(default_factory=dict)
+    # what quantization did (``quantize_decoder``'s summary), None without quantization
+    quantization: dict[str, Any] | None = None
 
 
 def _architecture_name(config: Any) -> str:
@@ -118,6 +120,12 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     """
     phases = PhaseTimer()
     mark = phases.mark
+    dtype = resolve_dtype(config.dtype)
+    device = torch.device(config.device)
+    if config.quantization == "fp8":  # refused here, before anything loads
+        from actors.engine.model.quantization.fp8_model import check_fp8_device
+
+        check_fp8_device(device, dtype)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -127,10 +135,16 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model, **common)
     name = _architecture_name(hf_config)
     check_architecture(hf_config, config.trust_remote_code)
+    fp8_format = None
+    if config.quantization == "fp8":
+        from actors.engine.model.quantization.fp8_checkpoint import checkpoint_format
+
+        fp8_format = checkpoint_format(hf_config)
+        if fp8_format is not None:  # our layers take its scales, not transformers' quantizer
+            del hf_config.quantization_config
+            common["config"] = hf_config
     mark("model_config")
 
-    dtype = resolve_dtype(config.dtype)
-    device = torch.device(config.device)
     if device.type == "cuda":
         torch.empty(1, device=device)  # the device context, apart from the weights' time
         mark("cuda_init")
@@ -148,6 +162,17 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
     check_model_class(type(hf_model), name)
     hf_model.to(device).eval().requires_grad_(False)
     mark("model_weights")
+    quantization = None
+    if config.quantization == "fp8":
+        from actors.engine.model.quantization.fp8_checkpoint import read_weight_scales
+        from actors.engine.model.quantization.fp8_model import quantize_decoder
+
+        scales = (None if fp8_format is None
+                  else read_weight_scales(model, config.revision, fp8_format))
+        quantization = quantize_decoder(hf_model, hf_model.base_model, fmt=fp8_format,
+                                        scales=scales)
+        mark("quantization")
+    common.pop("config", None)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)
     mark("tokenizer")
 
@@ -172,6 +197,7 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         logit_scale=getattr(text, "logit_scale", None),
         phases=phases.seconds,
+        quantization=quantization,
     )
     if loaded.lm_head is None:
         raise UnsupportedModelError(f"{name}: the model has no output embeddings (LM head)")

@@ -3,6 +3,7 @@
 so that ``q * s`` approximates ``x``. The scale is per row, shaped ``[T, 1]`` as
 ``torch._scaled_mm`` takes it.
 
+The torch oracles live in ``actors.engine.model.quantization.fp8_math`` (no triton there).
 ``quantize_rows`` is the standalone kernel (the attention output before ``o_proj``, or any input
 a fused producer did not quantize); ``quantize_e4m3`` / ``row_scale`` are the pieces the fused
 RMSNorm and SiLU-mul kernels share. Kernels round to e4m3 by bits (nearest, ties to even, as
@@ -16,23 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-#: smallest scale (a row of zeros, e.g. CUDA-graph padding, quantizes to zeros, not NaN)
-SCALE_FLOOR = 1e-12
-
-
-def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle: ``x`` ``[T, K]`` -> (``q`` ``[T, K]`` e4m3, ``scale`` ``[T, 1]`` float32)."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(SCALE_FLOOR)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in float32 (the value the FP8 GEMM multiplies)."""
-    return q.float() * scale
+from actors.engine.model.quantization.fp8_math import (  # noqa: F401  (the oracles, here too)
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_FLOOR,
+    dequantize_rows,
+    quantize_rows_torch,
+)
 
 
 @triton.jit
