@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_bench import LLAMA3_8B, QWEN2_05B, TINY, build_model, frozen_heap  # noqa: E402
+from e2e_bench import LLAMA3_8B, QWEN2_05B, TINY, build_model, frozen_heap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WORKLOADS = {  # name: (model config, prompts, prompt length, output length)
@@ -175,8 +175,8 @@ def bench(name: str, args) -> dict:
         del model
         free()
         weights = None if args.skip_update else host_weights(Path(tmp))
-        common = dict(path=Path(tmp), n=n, model_len=model_len, prompts=prompts,
-                      quality=quality, out=out, quality_out=quality_out, args=args)
+        common = {"path": Path(tmp), "n": n, "model_len": model_len, "prompts": prompts,
+                  "quality": quality, "out": out, "quality_out": quality_out, "args": args}
         log(f"{name}: bf16 engine")
         base = run_engine(dtype=bf16, quantization=None, reference=None, weights=weights,
                           **common)

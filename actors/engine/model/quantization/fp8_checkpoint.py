@@ -137,7 +137,7 @@ def read_weight_scales(model: str, revision: str | None, fmt: Fp8CheckpointForma
     scales: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(model, revision):
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                 if key.endswith(suffix):
                     scales[key[:-len(suffix)]] = f.get_tensor(key)
     logger.info("FP8 checkpoint (%s): %d weight scales", fmt.method, len(scales))

@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
-from actors.engine.model.quantization.fp8_checkpoint import Fp8CheckpointFormat, per_channel
+from actors.engine.model.quantization.fp8_checkpoint import (
+    Fp8CheckpointFormat,
+    per_channel,
+)
 from actors.engine.model.quantization.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from actors.engine.model.quantization import fp8_model
-from actors.engine.model.quantization.fp8_linear import FP8_INPUT, Fp8Linear, attach_fp8_input
+from actors.engine.model.quantization.fp8_linear import (
+    FP8_INPUT,
+    Fp8Linear,
+    attach_fp8_input,
+)
 from actors.engine.model.quantization.fp8_math import (
     dequantize_rows,
     quantize_rows_torch,

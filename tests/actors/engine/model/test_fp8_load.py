@@ -68,9 +68,9 @@ def test_job_config_passes_the_option_to_the_actors():
 def test_rollout_pool_refuses_a_bad_value_before_starting_actors():
     from toolkit.rollout import RolloutPool
 
-    with mock.patch("jobs.cluster.connect", side_effect=AssertionError("connected")):
-        with pytest.raises(ValueError, match=r"engine\.quantization"):
-            RolloutPool("m", engine={"quantization": "int4"}, num_gpus_per_actor=0)
+    with mock.patch("jobs.cluster.connect", side_effect=AssertionError("connected")), \
+            pytest.raises(ValueError, match=r"engine\.quantization"):
+        RolloutPool("m", engine={"quantization": "int4"}, num_gpus_per_actor=0)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -82,19 +82,19 @@ def _nothing_loads():
 def test_cpu_is_refused_before_the_model_loads(tiny_llama):
     from actors.engine.llm_engine import Engine
 
-    with _nothing_loads(), mock.patch("transformers.AutoConfig.from_pretrained",
-                                      side_effect=AssertionError("config read")):
-        with pytest.raises(ValueError, match=r"engine\.quantization: 'fp8' needs a CUDA GPU "
-                                             r"of compute capability >= 8\.9.*device is cpu"):
-            Engine(tiny_llama, {**CPU_FP8, "num_kv_blocks": 16})
+    refused = pytest.raises(ValueError, match=r"engine\.quantization: 'fp8' needs a CUDA GPU "
+                                              r"of compute capability >= 8\.9.*device is cpu")
+    with _nothing_loads(), refused, mock.patch("transformers.AutoConfig.from_pretrained",
+                                               side_effect=AssertionError("config read")):
+        Engine(tiny_llama, {**CPU_FP8, "num_kv_blocks": 16})
 
 
 def test_an_older_gpu_and_a_non_bf16_dtype_are_refused():
     cuda = torch.device("cuda:0")
     with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)), \
-            mock.patch("torch.cuda.get_device_name", return_value="NVIDIA A100"):
-        with pytest.raises(ValueError, match=r"NVIDIA A100\) has 8\.0"):
-            fp8_model.check_fp8_device(cuda, torch.bfloat16)
+            mock.patch("torch.cuda.get_device_name", return_value="NVIDIA A100"), \
+            pytest.raises(ValueError, match=r"NVIDIA A100\) has 8\.0"):
+        fp8_model.check_fp8_device(cuda, torch.bfloat16)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         fp8_model.check_fp8_device(cuda, torch.bfloat16)
         with pytest.raises(ValueError, match=r"engine\.dtype: quantization 'fp8' computes in "
