@@ -171,6 +171,8 @@ def load_model(model: str, config: EngineConfig) -> LoadedModel:
                   else read_weight_scales(model, config.revision, fp8_format))
         quantization = quantize_decoder(hf_model, hf_model.base_model, fmt=fp8_format,
                                         scales=scales)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights' memory back to the device
         mark("quantization")
     common.pop("config", None)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)

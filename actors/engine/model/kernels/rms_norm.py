@@ -65,13 +65,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool):
         rows = rows.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
-    num_q = rows.shape[0] if quant else 0
-    q = torch.empty((num_q, hidden), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((num_q, 1), dtype=torch.float32, device=x.device)
+    q = scale = None
+    if quant:
+        q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, q, scale, hidden, rows.stride(0), out.stride(0), hidden,
-            float(eps), BLOCK=triton.next_power_of_2(hidden), QUANT=quant,
+        _rms_norm_kernel[(rows.shape[0],)](  # without QUANT, q / scale are never touched
+            rows, weight, out, out if q is None else q, out if scale is None else scale,
+            hidden, rows.stride(0), out.stride(0), hidden, float(eps),
+            BLOCK=triton.next_power_of_2(hidden), QUANT=quant,
             num_warps=4 if hidden <= 2048 else 8)
     return out.view(shape), q, scale
 
