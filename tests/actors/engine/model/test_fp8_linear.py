@@ -169,3 +169,23 @@ def test_update_weights_requantizes_bf16_tensors_in_place(tiny_llama, tmp_path, 
     assert [o.prompt_logprobs for o in a] == [o.prompt_logprobs for o in b]
     with pytest.raises(ValueError, match=r"q_proj\.weight.*shape \(64, 32\)"):
         engine.update_weights({name: torch.zeros(64, 32, dtype=torch.bfloat16)})
+
+
+def test_sleep_level_2_frees_the_fp8_weights_and_update_weights_refills_them(
+        tiny_llama, emulate_fp8):
+    import safetensors.torch
+
+    engine = make_engine(tiny_llama, device="cpu", dtype="bfloat16", quantization="fp8")
+    prompts = random_prompts([6, 11], 500, seed=4)
+    before = engine.generate([(i, p, GREEDY) for i, p in enumerate(prompts)])
+    freed = engine.sleep(level=2)
+    layer = engine.weights.quantized["model.layers.1.mlp.up_proj.weight"]
+    assert layer.weight.numel() == 0 and freed["weights"] > 0
+    engine.wake_up()
+    assert "model.layers.1.mlp.up_proj.weight" in engine.weights.missing_names()
+    stored = safetensors.torch.load_file(f"{tiny_llama}/model.safetensors")
+    engine.update_weights({k: v.to(torch.bfloat16) for k, v in stored.items()})
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (128, 64)
+    after = engine.generate([(i, p, GREEDY) for i, p in enumerate(prompts)])
+    assert [o.output_token_ids for o in after] == [o.output_token_ids for o in before]
+    assert [o.prompt_logprobs for o in after] == [o.prompt_logprobs for o in before]
