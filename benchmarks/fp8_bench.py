@@ -14,7 +14,11 @@ Per workload (models built on the GPU with random bf16 weights, as in e2e_bench.
   scored with ``prompt_logprobs``): mean / max |FP8 - bf16| and |bf16 - fp32| over the output
   positions (docs/fp8.md defines them);
 - update_weights: the checkpoint's bf16 tensors (host memory) pushed into each engine, seconds
-  (the FP8 engine re-quantizes them on the device).
+  (the FP8 engine re-quantizes them on the device);
+- on CUDA, ms per pure-decode step of each engine (``StepTimer``) and the pieces of one layer
+  at the decode batch and at one prefill step: the seven projections in bf16 (``F.linear``)
+  and in FP8 (``_scaled_mm``), and the bf16 / FP8 variants of the fused norm and SiLU kernels
+  with the standalone quantization.
 
 JSON lands in ``--out``/fp8_bench.json.
 """
@@ -35,7 +39,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_bench import LLAMA3_8B, QWEN2_05B, TINY, build_model, frozen_heap
+from e2e_bench import (
+    LLAMA3_8B,
+    QWEN2_05B,
+    TINY,
+    build_model,
+    frozen_heap,
+    median_s,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WORKLOADS = {  # name: (model config, prompts, prompt length, output length)
@@ -76,6 +87,11 @@ def throughput(engine, prompts: np.ndarray, out: int) -> dict:
                              top_p=TOP_P, seed=i, detokenize=False) for i in range(n)]
     engine.generate([(f"w{i}", prompts[i, :16].tolist(), params[i].replace(max_tokens=8))
                      for i in range(min(4, n))])  # warm-up
+    timer = None
+    if DEVICE == "cuda":
+        from actors.engine.step_timer import StepTimer
+
+        timer = StepTimer().attach(engine)
     with frozen_heap():
         sync()
         t0 = time.perf_counter()
@@ -83,7 +99,53 @@ def throughput(engine, prompts: np.ndarray, out: int) -> dict:
         sync()
         elapsed = time.perf_counter() - t0
     tokens = sum(o.num_output_tokens for o in outs)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    result = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    if timer is not None:
+        summary = timer.summary()
+        timer.detach()
+        result.update({k: summary.get(k) for k in ("decode_steps", "ms_per_decode_step",
+                                                   "gpu_ms_per_step", "idle_fraction")})
+    return result
+
+
+def layer_kernels(spec: dict, rows: int, device: str = DEVICE, reps: int = 20) -> dict:
+    """Milliseconds of one decoder layer's pieces at ``rows`` tokens: the projections in bf16
+    and FP8 (weights already quantized), and the norm / SiLU / quantize kernels (CUDA events;
+    elsewhere the host clock, the tests' smoke run)."""
+    from actors.engine.model.kernels.fp8_quant import quantize_rows
+    from actors.engine.model.kernels.rms_norm import rms_norm, rms_norm_fp8
+    from actors.engine.model.kernels.silu_mul import silu_mul, silu_mul_fp8
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    h, inter = spec["hidden_size"], spec["intermediate_size"]
+    kv = spec["num_key_value_heads"] * h // spec["num_attention_heads"]
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    dt = torch.bfloat16
+    linears = [torch.nn.Linear(k, n, bias=False, device=device, dtype=dt).requires_grad_(False)
+               for k, n in shapes]
+    fp8 = [Fp8Linear.from_linear(lin) for lin in linears]
+    xs = {k: torch.randn(rows, k, device=device, dtype=dt) for k in (h, inter)}
+    qs = {k: quantize_rows(x) for k, x in xs.items()}
+    w = torch.ones(h, device=device, dtype=dt)
+    gate, up = xs[inter], xs[inter].clone()
+
+    def ms(fn) -> float:
+        return median_s(fn, reps, device) * 1e3
+
+    out = {
+        "rows": rows,
+        "projections_bf16_ms": ms(lambda: [torch.nn.functional.linear(xs[k], lin.weight)
+                                           for (k, _), lin in zip(shapes, linears)]),
+        "projections_fp8_ms": ms(lambda: [layer.matmul(*qs[k])
+                                          for (k, _), layer in zip(shapes, fp8)]),
+        "rms_norm_ms": ms(lambda: rms_norm(xs[h], w, 1e-6)),
+        "rms_norm_fp8_ms": ms(lambda: rms_norm_fp8(xs[h], w, 1e-6)),
+        "silu_mul_ms": ms(lambda: silu_mul(gate, up)),
+        "silu_mul_fp8_ms": ms(lambda: silu_mul_fp8(gate, up)),
+        "quantize_rows_ms": ms(lambda: quantize_rows(xs[h])),
+    }
+    out["projections_speedup"] = out["projections_bf16_ms"] / out["projections_fp8_ms"]
+    return out
 
 
 def greedy(engine, prompts: np.ndarray, out: int) -> list[list[int]]:
@@ -169,6 +231,12 @@ def bench(name: str, args) -> dict:
     quality_out = min(out, args.quality_tokens)
     model_len = prompt + out + 1
     bf16 = "bfloat16"
+    kernels = []
+    if DEVICE == "cuda":
+        kernels = [layer_kernels(spec, rows)
+                   for rows in (n, min(args.max_batched_tokens, n * prompt))]
+        free()
+        log(f"{name}: one layer's pieces {json.dumps(kernels)}")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         log(f"{name}: building the model")
         model = build_model({**spec}, Path(tmp))
@@ -190,6 +258,7 @@ def bench(name: str, args) -> dict:
             fp32 = run_engine(dtype="float32", quantization=None, reference=reference,
                               weights=None, **{**common, "n": len(quality)})
     result = {"workload": name, "num_prompts": n, "prompt_len": prompt, "output_len": out,
+              "layer_kernels": kernels,
               "quality_prompts": len(quality), "quality_tokens": quality_out,
               "bf16": {k: v for k, v in base.items() if k not in ("greedy", "scores")},
               "fp8": {k: v for k, v in fp8.items() if k not in ("greedy", "scores")},

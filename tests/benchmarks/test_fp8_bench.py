@@ -44,6 +44,17 @@ def test_tiny_workload_compares_fp8_bf16_and_fp32_and_writes_json(fp8_bench, tmp
     assert "tiny" in capsys.readouterr().out
 
 
+def test_layer_kernels_times_every_piece(fp8_bench):
+    pytest.importorskip("triton")
+    r = fp8_bench.layer_kernels(fp8_bench.TINY, rows=5, device="cpu", reps=1)
+    assert r["rows"] == 5
+    for key in ("projections_bf16_ms", "projections_fp8_ms", "rms_norm_ms", "rms_norm_fp8_ms",
+                "silu_mul_ms", "silu_mul_fp8_ms", "quantize_rows_ms"):
+        assert r[key] > 0
+    assert r["projections_speedup"] == pytest.approx(r["projections_bf16_ms"]
+                                                     / r["projections_fp8_ms"])
+
+
 def test_agreement_and_drift_definitions(fp8_bench):
     same = fp8_bench.agreement([[1, 2, 3], [1, 2, 4], [9, 2, 3]], [[1, 2, 3]] * 3)
     assert same == {"identical": 1, "num_prompts": 3,
