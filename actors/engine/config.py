@@ -15,6 +15,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 _SAMPLER_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+Quantization = Literal["fp8"]
 _QUANTIZATIONS = (None, "fp8")
 
 
@@ -95,7 +96,7 @@ class EngineConfig:
     revision: str | None = None
     tokenizer: str | None = None
     batch_invariant: bool = False
-    quantization: str | None = None
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
