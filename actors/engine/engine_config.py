@@ -15,6 +15,8 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 _SAMPLER_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+Quantization = Literal["fp8"]
+_QUANTIZATIONS = (None, "fp8")
 
 
 def _fail(name: str, rule: str, value: Any) -> ValueError:
@@ -66,6 +68,13 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is split over (``actors.engine.parallel``);
             1 runs the whole model in this process. Its divisibility by the model's heads
             and MLP width is checked when the model config is read.
+        quantization: None (the checkpoint's dtype) or "fp8": the decoder projections run in
+            e4m3 with per-channel weight scales and per-token activation scales
+            (``actors.engine.model.quantization``; docs/fp8.md). A bf16/fp16 checkpoint is
+            quantized at load, an FP8 one (``quant_method`` fp8 or compressed-tensors) loads
+            as it is; embeddings, norms and the LM head stay bf16. Needs a CUDA GPU of compute
+            capability >= 8.9 (Hopper for speed) and bfloat16; refused elsewhere before the
+            model loads. ``update_weights`` takes bf16 tensors and re-quantizes them.
     """
 
     dtype: DType = "auto"
@@ -91,6 +100,7 @@ class EngineConfig:
     tokenizer: str | None = None
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -132,6 +142,11 @@ class EngineConfig:
         for name in ("cuda_graphs", "fused_layers"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true, false or None", getattr(self, name))
+        if self.quantization not in _QUANTIZATIONS:
+            raise _fail("quantization", "must be None or 'fp8'", self.quantization)
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            raise _fail("dtype", "must be bfloat16 (or auto) with quantization 'fp8'",
+                        self.dtype)
         if self.device == "auto":
             self.device = _default_device()
         if self.dtype == "auto":

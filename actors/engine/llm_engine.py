@@ -454,6 +454,7 @@ class Engine:
                              else self.executor.runner.fused.describe()),
             "sleep_level": self.memory.level,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "quantization": self.loaded.quantization,
         }
 
     @property

@@ -5,7 +5,9 @@ Names are those of the Hugging Face state dict (``model.state_dict()``; the name
 read file by file, load as they are. Tied weights (``lm_head.weight`` and
 ``model.embed_tokens.weight``) are one tensor reachable under both names. Every tensor is
 checked (name, shape, dtype) before anything of its batch is copied, and copied into the
-existing parameter storage, so CUDA graphs that read the weights stay valid.
+existing parameter storage, so CUDA graphs that read the weights stay valid. The e4m3 weights
+of FP8 projections (``quantization: fp8``) take floating-point tensors of the model's dtype
+and re-quantize them in place (``Fp8Linear.load_weight``: the weight and its scales).
 
 ``WeightPayload`` carries tensors through Ray's object store as numpy arrays (bf16 as int16
 bits), which Ray hands to every reader without a copy.
@@ -136,7 +138,13 @@ class WeightLoader:
     def __init__(self, model: torch.nn.Module, shards: Mapping[str, Any] | None = None):
         self.model = model
         self.shards = dict(shards or {})
+        from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        # "<module>.weight" of each FP8 projection -> the layer that re-quantizes into it
+        self.quantized: dict[str, Fp8Linear] = {
+            f"{name}.weight": module for name, module in model.named_modules()
+            if isinstance(module, Fp8Linear)}
         self.missing: set[int] = set()  # id() of parameters that hold no weights (sleep 2)
         self.discarded = False           # parameters freed (between discard and restore)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
@@ -144,12 +152,17 @@ class WeightLoader:
     # ------------------------------------------------------------------ checks
     def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype name)}`` of every loadable tensor (for checks elsewhere)."""
-        return {name: (self._full_shape(name), str(t.dtype).replace("torch.", ""))
+        return {name: (self._full_shape(name), str(self._dtype(name, t)).replace("torch.", ""))
                 for name, t in self.targets.items()}
 
     def _full_shape(self, name: str) -> tuple[int, ...]:
         shard = self.shards.get(name)
         return shard.full_shape if shard is not None else tuple(self._shape(self.targets[name]))
+
+    def _dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype a tensor is given in: an FP8 weight takes its layer's compute dtype."""
+        layer = self.quantized.get(name)
+        return tensor.dtype if layer is None else layer.out_dtype
 
     def _shape(self, tensor: torch.Tensor) -> torch.Size:
         saved = self._shapes.get(id(tensor)) if self.discarded else None
@@ -160,10 +173,11 @@ class WeightLoader:
 
     def _check(self, name: str, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
         target = self.targets[name]
+        dtype = self._dtype(name, target)
         shard = self.shards.get(name)
         if shard is None:
-            return target, check_tensor(name, value, tuple(target.shape), target.dtype)
-        value = check_tensor(name, value, shard.full_shape, target.dtype)
+            return target, check_tensor(name, value, tuple(target.shape), dtype)
+        value = check_tensor(name, value, shard.full_shape, dtype)
         return target, shard.take(value)
 
     # ------------------------------------------------------------------ loading
@@ -246,7 +260,11 @@ class WeightLoader:
                 continue
             first[key] = (name, value)
         for key, (name, value) in first.items():
-            self.targets[name].copy_(value)
+            layer = self.quantized.get(name)
+            if layer is not None:
+                layer.load_weight(value)
+            else:
+                self.targets[name].copy_(value)
             self.missing.discard(key)
             seen[key] = name
 

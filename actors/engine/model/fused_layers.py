@@ -9,6 +9,10 @@ mul. :func:`install_fused_layers` replaces them with one kernel each (``actors.e
   one-kernel ``forward``;
 - every ``*MLP`` module with ``gate_proj``/``up_proj``/``down_proj`` and a SiLU ``act_fn``
   gets ``down_proj(silu_mul(gate_proj(x), up_proj(x)))``;
+- with ``quantization: fp8`` (the decoder projections are ``Fp8Linear``), the two norms of
+  each Llama-shaped decoder layer also quantize their output per token in the same kernel and
+  hand it to q/k/v (gate/up) with the output (``attach_fp8_input``), and the MLP quantizes
+  ``silu(gate) * up`` in the SiLU kernel for ``down_proj``: no separate quantization pass;
 - the ``apply_rotary_pos_emb`` function of each attention class's modeling module is replaced
   while the engine's forward runs (:meth:`FusedLayers.active`), so the model stays plain
   transformers code outside the engine.
@@ -59,10 +63,29 @@ def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tor
     return rms_norm(hidden_states, self.weight, self._fused_eps)
 
 
+def _rms_norm_fp8_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    from actors.engine.model.kernels.rms_norm import rms_norm_fp8
+    from actors.engine.model.quantization.fp8_linear import attach_fp8_input
+
+    return attach_fp8_input(*rms_norm_fp8(hidden_states, self.weight, self._fused_eps))
+
+
+def _is_linear(module: Any) -> bool:
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    return isinstance(module, (torch.nn.Linear, Fp8Linear))
+
+
+def _is_fp8(module: Any) -> bool:
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    return isinstance(module, Fp8Linear)
+
+
 def _is_silu_mlp(module: torch.nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
     return (type(module).__name__.endswith("MLP")
-            and all(isinstance(getattr(module, n, None), torch.nn.Linear)
+            and all(_is_linear(getattr(module, n, None))
                     for n in ("gate_proj", "up_proj", "down_proj"))
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
 
@@ -71,6 +94,38 @@ def _silu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     from actors.engine.model.kernels.silu_mul import silu_mul
 
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _silu_mlp_fp8_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from actors.engine.model.kernels.silu_mul import silu_mul_fp8
+
+    inner = self.down_proj.in_features
+    gate = self.gate_proj(x).reshape(-1, inner)
+    q, scale = silu_mul_fp8(gate, self.up_proj(x).reshape(-1, inner))
+    return self.down_proj.matmul(q, scale).view(*x.shape[:-1], self.down_proj.out_features)
+
+
+_NORM_CONSUMERS = {"input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj")),
+                   "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj",
+                                                        "gate_up_proj"))}
+
+
+def fp8_fed_norms(model: torch.nn.Module) -> set[int]:
+    """``id()`` of the norms whose output only FP8 projections read: the two norms of a
+    decoder layer shaped like Llama's (no other norm among its children, so each norm feeds
+    the block named here) whose projections there are all ``Fp8Linear``."""
+    fed = set()
+    for layer in model.modules():
+        children = dict(layer.named_children())
+        norms = {n for n, m in children.items() if type(m).__name__.endswith("Norm")}
+        if norms != set(_NORM_CONSUMERS):
+            continue
+        for norm, (block, names) in _NORM_CONSUMERS.items():
+            projections = [getattr(children.get(block), n, None) for n in names]
+            projections = [p for p in projections if p is not None]
+            if projections and all(_is_fp8(p) for p in projections):
+                fed.add(id(children[norm]))
+    return fed
 
 
 def _fused_rotary(original: Callable) -> Callable:
@@ -92,11 +147,13 @@ class FusedLayers:
     def __init__(self) -> None:
         self.norms: list[str] = []
         self.mlps: list[str] = []
+        self.fp8_norms: list[str] = []  # norms that also quantize for FP8 projections
         self.rotary: dict[str, tuple[types.ModuleType, Callable, Callable]] = {}
         self.kept: list[str] = []  # classes / modules left alone because a check failed
 
     def describe(self) -> dict[str, Any]:
         return {"rms_norm": len(self.norms), "silu_mul": len(self.mlps),
+                "fp8_rms_norm": len(self.fp8_norms),
                 "rotary": sorted(self.rotary), "kept": sorted(set(self.kept))}
 
     @contextmanager
@@ -127,7 +184,8 @@ def install_fused_layers(model: torch.nn.Module, seed: int = 0) -> FusedLayers:
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 2).to(device=device, dtype=dtype)
 
-    verdict: dict[type, bool] = {}
+    verdict: dict[Any, bool] = {}
+    fp8_norms = fp8_fed_norms(model)
     for name, module in model.named_modules():
         cls = type(module)
         eps = _norm_eps(module)
@@ -137,16 +195,21 @@ def install_fused_layers(model: torch.nn.Module, seed: int = 0) -> FusedLayers:
                 x = rand(5, module.weight.shape[0])
                 verdict[cls] = _agree(_rms_norm_forward(module, x), module(x))
             if verdict[cls]:
-                module.forward = types.MethodType(_rms_norm_forward, module)
+                forward = _rms_norm_fp8_forward if id(module) in fp8_norms else _rms_norm_forward
+                module.forward = types.MethodType(forward, module)
                 fused.norms.append(name)
+                if id(module) in fp8_norms:
+                    fused.fp8_norms.append(name)
             else:
                 fused.kept.append(cls.__name__)
         elif _is_silu_mlp(module):
-            if cls not in verdict:
+            fp8 = _is_fp8(module.down_proj)
+            forward = _silu_mlp_fp8_forward if fp8 else _silu_mlp_forward
+            if (cls, fp8) not in verdict:
                 x = rand(5, module.gate_proj.in_features) / 4
-                verdict[cls] = _agree(_silu_mlp_forward(module, x), module(x), ulps=16)
-            if verdict[cls]:
-                module.forward = types.MethodType(_silu_mlp_forward, module)
+                verdict[cls, fp8] = _agree(forward(module, x), module(x), ulps=16)
+            if verdict[cls, fp8]:
+                module.forward = types.MethodType(forward, module)
                 fused.mlps.append(name)
             else:
                 fused.kept.append(cls.__name__)

@@ -58,8 +58,10 @@ class LoadedModel:
     attention_route: str = "registry"
     # seconds of each loading phase: transformers_import, model_config (config + architecture
     # checks, which import the model's module), cuda_init (device context, CUDA only),
-    # model_weights (from_pretrained onto the device), tokenizer
+    # model_weights (from_pretrained onto the device), quantization (fp8 only), tokenizer
     phases: dict[str, float] = field(default_factory=dict)
+    # what quantization did (``quantize_decoder``'s summary), None without quantization
+    quantization: dict[str, Any] | None = None
 
 
 class PhaseTimer:
@@ -95,6 +97,12 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
     """
     phases = PhaseTimer()
     mark = phases.mark
+    dtype = resolve_dtype(config.dtype)
+    device = torch.device(config.device)
+    if config.quantization == "fp8":  # refused here, before anything loads
+        from actors.engine.model.quantization.fp8_model import check_fp8_device
+
+        check_fp8_device(device, dtype)
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -104,10 +112,16 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
     hf_config = AutoConfig.from_pretrained(model, **common)
     name = architecture_name(hf_config)
     _, route = check_architecture(hf_config, config.trust_remote_code)
+    fp8_format = None
+    if config.quantization == "fp8":
+        from actors.engine.model.quantization.fp8_checkpoint import checkpoint_format
+
+        fp8_format = checkpoint_format(hf_config)
+        if fp8_format is not None:  # our layers take its scales, not transformers' quantizer
+            del hf_config.quantization_config
+            common["config"] = hf_config
     mark("model_config")
 
-    dtype = resolve_dtype(config.dtype)
-    device = torch.device(config.device)
     if device.type == "cuda":
         torch.empty(1, device=device)  # the device context, apart from the weights' time
         mark("cuda_init")
@@ -138,6 +152,19 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
 
         install_sdpa_adapter(hf_model)
     mark("model_weights")
+    quantization = None
+    if config.quantization == "fp8":
+        from actors.engine.model.quantization.fp8_checkpoint import read_weight_scales
+        from actors.engine.model.quantization.fp8_model import quantize_decoder
+
+        scales = (None if fp8_format is None
+                  else read_weight_scales(model, config.revision, fp8_format))
+        quantization = quantize_decoder(hf_model, hf_model.base_model, fmt=fp8_format,
+                                        scales=scales)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights' memory back to the device
+        mark("quantization")
+    common.pop("config", None)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model, **common)
     mark("tokenizer")
 
@@ -167,6 +194,7 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         dtype=dtype,
         device=device,
         phases=phases.seconds,
+        quantization=quantization,
     )
     logger.info("loaded %s from %s: %d layers, %d/%d heads, key/value width %d/%d, vocab %d, "
                 "%s on %s (attention via %s)", name, model, loaded.num_layers, first.num_heads,
