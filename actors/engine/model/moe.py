@@ -100,10 +100,13 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
         if plan.logits == "cast":
             logits = logits.float()
     bias = self.e_score_correction_bias if plan.spec.has_bias else None
-    fn = moe_routing.route if plan.backend == "triton" else moe_routing.route_torch
-    weights, ids = fn(logits, plan.spec, bias)
     dtype = {"logits": logits.dtype, "float32": torch.float32, "input": x.dtype}[plan.out_dtype]
-    return logits, weights.to(dtype), ids
+    if plan.backend == "triton":
+        weights, ids = moe_routing.route(logits, plan.spec, bias, dtype)
+    else:
+        weights, ids = moe_routing.route_torch(logits, plan.spec, bias)
+        weights = weights.to(dtype)
+    return logits, weights, ids
 
 
 def _experts_layout(m: torch.nn.Module) -> tuple[Any, bool] | str:

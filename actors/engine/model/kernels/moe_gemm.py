@@ -189,16 +189,27 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_
     tl.store(out, y.to(dt), mask=valid[:, None] & n_ok[None, :])
 
 
-#: (max pairs per expert, (block_m, block_n, block_k, num_warps, num_stages)), first match;
-#: decode batches get one or two row blocks per expert, prefill larger tiles
-_CONFIGS = (
-    (12, (16, 64, 128, 4, 4)),
-    (64, (64, 64, 128, 4, 3)),
-    (None, (64, 128, 64, 8, 3)),
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Rows per block (shared by the sort and both GEMMs) and each GEMM's
+    ``(block_n, block_k, num_warps, num_stages)``."""
+
+    block_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+#: (max pairs per expert, tiles), first match. Decode batches get one or two row blocks per
+#: expert, so each expert's weights are read about once; the gate/up GEMM holds two
+#: accumulators (gate and up) of ``block_m x block_n``. Prefill takes larger tiles.
+_CONFIGS: tuple[tuple[int | None, TileConfig], ...] = (
+    (12, TileConfig(16, (64, 128, 4, 4), (128, 128, 4, 4))),
+    (64, TileConfig(64, (64, 128, 4, 3), (128, 128, 4, 3))),
+    (None, TileConfig(64, (128, 64, 8, 3), (128, 64, 4, 4))),
 )
 
 
-def pick_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+def pick_config(num_pairs: int, num_experts: int) -> TileConfig:
     """The tile configuration for ``num_pairs`` (token, expert) pairs over the experts."""
     per_expert = num_pairs / max(num_experts, 1)
     for bound, config in _CONFIGS:
@@ -220,7 +231,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
                   gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  config: TileConfig | None = None) -> torch.Tensor:
     """:func:`fused_experts_torch` in four launches.
 
     Args:
@@ -230,7 +241,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         gate_up, down: the experts' weights in ``layout`` (``x``'s dtype).
         layout: see :class:`ExpertLayout`.
         gate_up_bias, down_bias: ``[E, 2I]`` / ``[E, H]`` or None.
-        config: ``(block_m, block_n, block_k, num_warps, num_stages)``; None picks one.
+        config: the tiles; None picks them by the pairs per expert (:func:`pick_config`).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
@@ -242,7 +253,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.reshape(-1).contiguous()
     num_pairs = tokens * top_k
-    bm, bn, bk, warps, stages = config or pick_config(num_pairs, num_experts)
+    config = config or pick_config(num_pairs, num_experts)
+    bm = config.block_m
     sorted_pairs, block_expert = moe_align(ids, num_experts, bm)
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
@@ -250,6 +262,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
     se, sn, sk = _strides(gate_up, layout.transposed)
     up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
+    bn, bk, warps, stages = config.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
         x, gate_up, gate_up if gate_up_bias is None else gate_up_bias, h, sorted_pairs,
         block_expert, num_pairs, inter, hidden, top_k, x.stride(0), se, sn, sk, up_offset,
@@ -259,6 +272,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         num_warps=warps, num_stages=stages)
     pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     se, sn, sk = _strides(down, layout.transposed)
+    bn, bk, warps, stages = config.down
     _down_kernel[(blocks, triton.cdiv(hidden, bn))](
         h, down, down if down_bias is None else down_bias, weights, pairs, sorted_pairs,
         block_expert, num_pairs, hidden, inter, h.stride(0), se, sn, sk,

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from actors.engine.model.kernels.rounding import round_to
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingSpec:
@@ -122,30 +124,33 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scale, eps,
         picked = e / tl.sum(e, 0)
     if RENORM:
         picked = picked / (tl.sum(tl.where(kvalid, picked, 0.0), 0) + eps)
-    picked = picked * scale
+    dt = w_ptr.dtype.element_ty
+    picked = round_to(picked * scale, dt).to(dt)
     tl.store(w_ptr + row * K + kcols, picked, mask=kvalid)
     tl.store(ids_ptr + row * K + kcols, picked_ids, mask=kvalid)
 
 
-def route(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None,
+          out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_torch` in one kernel (grouped top-k goes to the torch function).
 
     Args:
         logits: ``[T, E]`` router logits (any float dtype; read as float32).
         spec: the router's rule.
         bias: ``[E]`` choice bias when ``spec.has_bias``.
+        out_dtype: of the weights (rounded from float32).
 
     Returns:
-        ``(weights [T, k] float32, ids [T, k] int64)``; ties pick the lowest expert id.
+        ``(weights [T, k], ids [T, k] int64)``; ties pick the lowest expert id.
     """
     if spec.grouped or logits.dim() != 2:
-        return route_torch(logits, spec, bias)
+        weights, ids = route_torch(logits, spec, bias)
+        return weights.to(out_dtype), ids
     if spec.has_bias and (bias is None or bias.shape != (logits.shape[1],)):
         raise ValueError(f"bias: expected shape ({logits.shape[1]},) for this router")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, spec.top_k, dtype=torch.float32, device=logits.device)
+    weights = torch.empty(tokens, spec.top_k, dtype=out_dtype, device=logits.device)
     ids = torch.empty(tokens, spec.top_k, dtype=torch.int64, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](

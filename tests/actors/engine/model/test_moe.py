@@ -54,7 +54,10 @@ def test_routing_kernel_equals_torch(spec, tokens, experts):
 def test_routing_kernel_reads_bf16_logits_and_grouped_top_k_goes_to_torch():
     logits = torch.randn(9, 16, device=DEVICE).bfloat16()
     spec = RoutingSpec(2, renormalize=True)
-    assert torch.equal(route(logits, spec)[1], route_torch(logits, spec)[1])
+    weights, ids = route(logits, spec, out_dtype=torch.bfloat16)
+    want_w, want_ids = route_torch(logits, spec)
+    assert torch.equal(ids, want_ids) and weights.dtype == torch.bfloat16
+    assert torch.equal(weights, want_w.bfloat16())  # rounded to nearest, as torch casts
     grouped = RoutingSpec(3, num_groups=4, topk_groups=2)
     weights, ids = route(logits, grouped)
     assert torch.equal(ids, route_torch(logits, grouped)[1])
@@ -126,11 +129,14 @@ def test_fused_experts_equal_torch(layout, bias, dtype, tokens, top_k, experts, 
 
 @pytest.mark.parametrize("config", [c for _, c in _CONFIGS], ids=str)
 def test_every_tile_configuration(config):
-    bm, bn, bk, warps, stages = config
-    case = _experts_case(9, 2, 3, bk + 16, bn + 8, ExpertLayout(), torch.float32, False)
+    # sizes that are no multiple of any tile: partial K and N tiles in both GEMMs
+    hidden = max(config.gate_up[1], config.down[0]) + 16
+    inter = max(config.gate_up[0], config.down[1]) + 8
+    case = _experts_case(9, 2, 3, hidden, inter, ExpertLayout(), torch.float32, False)
     torch.testing.assert_close(fused_experts(*case, config=config), fused_experts_torch(*case),
                                rtol=1e-5, atol=1e-5)
-    assert pick_config(4096, 128) == (64, 64, 128, 4, 3)  # Qwen3-30B-A3B, 512 decode rows
+    assert pick_config(4096, 128).block_m == 64  # Qwen3-30B-A3B, 512 decode rows
+    assert pick_config(8 * 16384, 128) == _CONFIGS[-1][1]  # a prefill step
 
 
 def _block_inputs(model, tokens=29, seed=3):
@@ -183,7 +189,7 @@ def test_a_rule_that_disagrees_with_the_model_is_not_installed(monkeypatch):
     """The check at install time refuses a router whose rule differs from the model's."""
     from actors.engine.model import moe
 
-    rule, *rest = ROUTERS["Qwen3MoeTopKRouter"]
+    _, *rest = ROUTERS["Qwen3MoeTopKRouter"]
     monkeypatch.setitem(moe.ROUTERS, "Qwen3MoeTopKRouter",
                         (lambda m: RoutingSpec(m.top_k, renormalize=not m.norm_topk_prob),
                          *rest))
