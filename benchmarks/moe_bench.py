@@ -11,7 +11,7 @@ over the copy bandwidth) and the prefill matmul floor (FLOPs of all prefill toke
 bf16 matmul rate).
 
     python benchmarks/moe_bench.py --out /tmp/moe                 # qwen3-30b-a3b, mixtral
-    python benchmarks/moe_bench.py --models qwen3-30b-a3b --batches 512
+    python benchmarks/moe_bench.py --models qwen3-30b-a3b --batches 512 --kernel-sweep
 """
 
 from __future__ import annotations
@@ -80,10 +80,12 @@ def expected_experts_touched(spec: dict, rows: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** rows)
 
 
-def floors(spec: dict, rows: int, prompt: int, copy_tbps: float = COPY_TBPS,
+def floors(spec: dict, rows: int, prompt: int, out: int = 128, copy_tbps: float = COPY_TBPS,
            matmul_tflops: float = MATMUL_TFLOPS) -> dict:
-    """The expert-read floor of one decode step of ``rows`` sequences (ms) and the matmul
-    floor of prefilling ``rows`` prompts of ``prompt`` tokens (s)."""
+    """The expert-read floor of one decode step of ``rows`` sequences (ms), the other reads
+    of a step (attention and router weights with the LM head; the KV cache at the mean
+    context ``prompt + out / 2``), and the matmul floor of prefilling ``rows`` prompts of
+    ``prompt`` tokens (s)."""
     h, layers = spec["hidden_size"], spec["num_hidden_layers"]
     heads, kv, d = spec["num_attention_heads"], spec["num_key_value_heads"], spec["head_dim"]
     experts, top_k, width = _moe_shape(spec)
@@ -102,6 +104,8 @@ def floors(spec: dict, rows: int, prompt: int, copy_tbps: float = COPY_TBPS,
             "expert_read_floor_ms": read / (copy_tbps * 1e12) * 1e3,
             "dense_read_floor_ms": (dense + 2 * h * spec["vocab_size"]) / (copy_tbps * 1e12)
             * 1e3,
+            "kv_read_floor_ms": layers * 2 * kv * d * 2 * rows * (prompt + out / 2)
+            / (copy_tbps * 1e12) * 1e3,
             "prefill_flops": prefill_flops,
             "prefill_matmul_floor_s": prefill_flops / (matmul_tflops * 1e12)}
 
@@ -208,6 +212,88 @@ def run_path(model, path: Path, which: str, batches: list[int], prompt: int, out
     return result
 
 
+def _median_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def _sweep_candidates():
+    from actors.engine.model.kernels.moe_gemm import TileConfig
+
+    return {"bm32": TileConfig(32, (64, 128, 4, 4), (128, 128, 4, 4)),
+            "bm64_n128": TileConfig(64, (128, 64, 4, 3), (128, 64, 4, 4)),
+            "bm64_n64": TileConfig(64, (64, 64, 4, 4), (64, 128, 4, 4)),
+            "bm64_k64_s4": TileConfig(64, (64, 64, 4, 4), (128, 64, 4, 4)),
+            "bm128": TileConfig(128, (64, 64, 8, 3), (128, 64, 8, 3))}
+
+
+def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
+    """transformers' experts module of the model with these weights (its default
+    experts implementation, grouped_mm where it can run)."""
+    import transformers
+
+    spec = dict(spec)
+    arch = spec.pop("arch")
+    if arch == "qwen3_moe":
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
+        cfg, cls = transformers.Qwen3MoeConfig(**spec), mod.Qwen3MoeExperts
+    else:
+        from transformers.models.mixtral import modeling_mixtral as mod
+        cfg, cls = transformers.MixtralConfig(**spec), mod.MixtralExperts
+    cfg._experts_implementation = "grouped_mm"
+    with torch.device("meta"):
+        module = cls(cfg)
+    module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    return module
+
+
+@torch.no_grad()
+def kernel_sweep(spec: dict, batches: list[int]) -> dict:
+    """One MoE layer's routed experts alone at each decode batch: the fused kernels with the
+    table's tiles and with other candidates, and transformers' grouped_mm experts; ms and the
+    expert bytes read per ms (TB/s)."""
+    from actors.engine.model.kernels.moe_gemm import ExpertLayout, fused_experts, pick_config
+
+    experts, top_k, width = _moe_shape(spec)
+    h = spec["hidden_size"]
+    gate_up = torch.randn(experts, 2 * width, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+    down = torch.randn(experts, h, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    hf = _hf_experts(spec, gate_up, down)
+    out = {}
+    for rows in batches:
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(rows, experts, device="cuda").topk(top_k, -1)[1]
+        weights = torch.rand(rows, top_k, device="cuda").softmax(-1).to(torch.bfloat16)
+        touched = float((torch.bincount(ids.flatten(), minlength=experts) > 0).sum())
+        layer_bytes = touched * 3 * h * width * 2
+        row = {"experts_touched": touched}
+        configs = {"table": pick_config(rows * top_k, experts), **_sweep_candidates()}
+        for name, config in configs.items():
+            ms = _median_ms(lambda c=config: fused_experts(x, ids, weights, gate_up, down,
+                                                           ExpertLayout(), config=c))
+            row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+        try:
+            ms = _median_ms(lambda: hf(x, ids, weights))
+            row["hf_grouped_mm"] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+        except Exception as exc:  # noqa: BLE001 - a benchmark records what failed
+            row["hf_grouped_mm"] = {"error": repr(exc)}
+        out[str(rows)] = row
+        log(f"  kernels at {rows} rows: {json.dumps(row)}")
+    del gate_up, down, hf
+    torch.cuda.empty_cache()
+    return out
+
+
 def bench(name: str, args) -> dict:
     from toolkit.tiny_model import train_tokenizer
 
@@ -215,7 +301,10 @@ def bench(name: str, args) -> dict:
     batches = args.batches or default_batches
     prompt, out = args.prompt_len, args.output_len
     result = {"model": name, "config": spec, "prompt_len": prompt, "output_len": out,
-              "floors": {str(n): floors(spec, n, prompt) for n in batches}}
+              "floors": {str(n): floors(spec, n, prompt, out) for n in batches}}
+    if args.kernel_sweep and DEVICE == "cuda":
+        log(f"{name}: one layer's experts alone")
+        result["kernels"] = kernel_sweep(spec, batches)
     log(f"{name}: building the model")
     t0 = time.perf_counter()
     model = build_model(spec)
@@ -265,6 +354,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--kernel-sweep", action="store_true",
+                   help="also time one layer's experts alone (CUDA): the tile table, other "
+                   "tiles, transformers' grouped_mm")
     p.add_argument("--out", default=".", help="directory for moe_bench.json")
     p.add_argument("--tmp", default=None, help="where the config and tokenizer are written")
     args = p.parse_args(argv)
