@@ -130,23 +130,24 @@ def _experts_layout(m: torch.nn.Module) -> tuple[Any, bool] | str:
         transposed = flipped
     if not (flipped if transposed else standard):
         return f"unexpected expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)}"
-    interleaved = not getattr(m, "is_concatenated", True)
+    concatenated = getattr(m, "is_concatenated", None)
     gate_up_bias = getattr(m, "gate_up_proj_bias", None)
     has_bias = isinstance(gate_up_bias, torch.nn.Parameter)
     if has_bias != isinstance(getattr(m, "down_proj_bias", None), torch.nn.Parameter):
         return "only one of the two projections has a bias"
     gate_fn = type(m).__dict__.get("_apply_gate")  # transformers' default is set on the class
     own_gate = gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate"
-    if own_gate and isinstance(getattr(m, "limit", None), (int, float)) \
-            and isinstance(getattr(m, "alpha", None), (int, float)):
-        return ExpertLayout(transposed, interleaved, "swiglu_oai", float(m.alpha),
+    act = getattr(m, "act_fn", None)
+    if isinstance(getattr(m, "limit", None), (int, float)) \
+            and isinstance(getattr(m, "alpha", None), (int, float)) and act is None:
+        # gpt-oss's clamped SwiGLU (its gate and up rows interleave unless it says otherwise)
+        return ExpertLayout(transposed, concatenated is not True, "swiglu_oai", float(m.alpha),
                             float(m.limit)), has_bias
     if own_gate:
         return f"{type(m).__name__} has its own gating function"
-    act = getattr(m, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
         return f"activation {type(act).__name__} is not covered"
-    return ExpertLayout(transposed, interleaved), has_bias
+    return ExpertLayout(transposed, concatenated is False), has_bias
 
 
 def _experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
