@@ -279,9 +279,12 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
         row = {"experts_touched": touched}
         configs = {"table": pick_config(rows * top_k, experts), **_sweep_candidates()}
         for name, config in configs.items():
-            ms = _median_ms(lambda c=config: fused_experts(x, ids, weights, gate_up, down,
-                                                           ExpertLayout(), config=c))
-            row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+            try:
+                ms = _median_ms(lambda c=config: fused_experts(x, ids, weights, gate_up, down,
+                                                               ExpertLayout(), config=c))
+                row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result
+                row[name] = {"error": repr(exc)}
         try:
             ms = _median_ms(lambda: hf(x, ids, weights))
             row["hf_grouped_mm"] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}

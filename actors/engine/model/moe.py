@@ -226,6 +226,13 @@ class _Checker:
         return None
 
 
+def _run_check(check: Callable, module: torch.nn.Module, original: Callable) -> str | None:
+    try:
+        return check(module, original)
+    except Exception as exc:  # noqa: BLE001 - a kernel or module that cannot run stays out
+        return f"the check raised {exc!r}"
+
+
 @torch.no_grad()
 def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
                       seed: int = 0) -> FusedMoE:
@@ -255,7 +262,7 @@ def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
                 continue
             original = module.forward
             if cls not in verdict:
-                verdict[cls] = check.router(module, original)
+                verdict[cls] = _run_check(check.router, module, original)
             if verdict[cls] is None:
                 module.forward = types.MethodType(_router_forward, module)
                 fused.routers.append(name)
@@ -269,7 +276,7 @@ def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
             module._fused_moe_plan = (*layout, backend)
             original = module.forward
             if cls not in verdict:
-                verdict[cls] = check.experts(module, original)
+                verdict[cls] = _run_check(check.experts, module, original)
             if verdict[cls] is None:
                 module.forward = types.MethodType(_experts_forward, module)
                 fused.experts.append(name)

@@ -217,3 +217,15 @@ def test_the_parameters_keep_their_names_and_storage():
     install_fused_moe(model, "torch")
     after = {n: p.data_ptr() for n, p in model.state_dict(keep_vars=True).items()}
     assert before == after
+
+
+def test_a_check_that_raises_keeps_the_module(monkeypatch):
+    from actors.engine.model import moe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(moe, "_experts_forward", broken)
+    model = moe_model("olmoe")
+    fused = install_fused_moe(model, "torch")
+    assert not fused.experts and "no kernel for this shape" in fused.kept["OlmoeExperts"]
