@@ -229,11 +229,14 @@ def _median_ms(fn, reps: int = 20) -> float:
 def _sweep_candidates():
     from actors.engine.model.kernels.moe_gemm import TileConfig
 
-    return {"bm32": TileConfig(32, (64, 128, 4, 4), (128, 128, 4, 4)),
-            "bm64_n128": TileConfig(64, (128, 64, 4, 3), (128, 64, 4, 4)),
-            "bm64_n64": TileConfig(64, (64, 64, 4, 4), (64, 128, 4, 4)),
-            "bm64_k64_s4": TileConfig(64, (64, 64, 4, 4), (128, 64, 4, 4)),
-            "bm128": TileConfig(128, (64, 64, 8, 3), (128, 64, 8, 3))}
+    return {"bm32": TileConfig(32, 8, (64, 128, 4, 4), (128, 128, 4, 4)),
+            "bm64_n128": TileConfig(64, 8, (128, 64, 4, 3), (128, 64, 4, 4)),
+            "bm64_n64": TileConfig(64, 8, (64, 64, 4, 4), (64, 128, 4, 4)),
+            "bm64_k64_s4": TileConfig(64, 8, (64, 64, 4, 4), (128, 64, 4, 4)),
+            "bm64_group1": TileConfig(64, 1, (64, 128, 4, 3), (128, 128, 4, 3)),
+            "bm128": TileConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 4)),
+            "bm128_group16": TileConfig(128, 16, (64, 64, 8, 3), (128, 64, 8, 4)),
+            "bm64_prefill": TileConfig(64, 8, (128, 64, 8, 3), (128, 64, 4, 4))}
 
 
 def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
@@ -259,9 +262,9 @@ def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
 
 @torch.no_grad()
 def kernel_sweep(spec: dict, batches: list[int]) -> dict:
-    """One MoE layer's routed experts alone at each decode batch: the fused kernels with the
-    table's tiles and with other candidates, and transformers' grouped_mm experts; ms and the
-    expert bytes read per ms (TB/s)."""
+    """One MoE layer's routed experts alone for each row count (the decode batches and a
+    prefill step): the fused kernels with the table's tiles and with other candidates, and
+    transformers' grouped_mm experts; ms, the expert bytes read per ms (TB/s), TFLOP/s."""
     from actors.engine.model.kernels.moe_gemm import ExpertLayout, fused_experts, pick_config
 
     experts, top_k, width = _moe_shape(spec)
@@ -276,18 +279,21 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
         weights = torch.rand(rows, top_k, device="cuda").softmax(-1).to(torch.bfloat16)
         touched = float((torch.bincount(ids.flatten(), minlength=experts) > 0).sum())
         layer_bytes = touched * 3 * h * width * 2
+        flops = 2 * rows * top_k * 3 * h * width
         row = {"experts_touched": touched}
         configs = {"table": pick_config(rows * top_k, experts), **_sweep_candidates()}
         for name, config in configs.items():
             try:
                 ms = _median_ms(lambda c=config: fused_experts(x, ids, weights, gate_up, down,
                                                                ExpertLayout(), config=c))
-                row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+                row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9,
+                             "tflops": flops / ms / 1e9}
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result
                 row[name] = {"error": repr(exc)}
         try:
             ms = _median_ms(lambda: hf(x, ids, weights))
-            row["hf_grouped_mm"] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9}
+            row["hf_grouped_mm"] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9,
+                                    "tflops": flops / ms / 1e9}
         except Exception as exc:  # noqa: BLE001 - a benchmark records what failed
             row["hf_grouped_mm"] = {"error": repr(exc)}
         out[str(rows)] = row
@@ -307,7 +313,7 @@ def bench(name: str, args) -> dict:
               "floors": {str(n): floors(spec, n, prompt, out) for n in batches}}
     if args.kernel_sweep and DEVICE == "cuda":
         log(f"{name}: one layer's experts alone")
-        result["kernels"] = kernel_sweep(spec, batches)
+        result["kernels"] = kernel_sweep(spec, [*batches, args.max_batched_tokens])
     log(f"{name}: building the model")
     t0 = time.perf_counter()
     model = build_model(spec)

@@ -139,6 +139,16 @@ def test_every_tile_configuration(config):
     assert pick_config(8 * 16384, 128) == _CONFIGS[-1][1]  # a prefill step
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 3])
+def test_grouped_tile_order_covers_every_tile(group_m):
+    from actors.engine.model.kernels.moe_gemm import TileConfig
+
+    config = TileConfig(16, group_m, (32, 32, 4, 2), (32, 32, 4, 2))
+    case = _experts_case(40, 3, 7, 80, 72, ExpertLayout(), torch.float32, False)  # 23 blocks
+    torch.testing.assert_close(fused_experts(*case, config=config), fused_experts_torch(*case),
+                               rtol=1e-5, atol=1e-5)
+
+
 def _block_inputs(model, tokens=29, seed=3):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(1, tokens, model.config.hidden_size, generator=gen)
