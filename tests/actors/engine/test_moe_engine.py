@@ -100,3 +100,15 @@ def test_update_weights_and_sleep_address_the_experts_by_hf_names(tiny_model_fac
         engine.generate([(0, prompts[0], GREEDY)])
     engine.update_weights(state)
     assert greedy_outputs(engine, prompts) == want
+
+
+def test_the_fused_moe_option():
+    from actors.engine.builder import resolve_fused_moe
+    from actors.engine.config import EngineConfig
+
+    cpu = torch.device("cpu")
+    assert resolve_fused_moe(EngineConfig(device="cpu"), cpu) is None  # default: HF modules
+    assert resolve_fused_moe(EngineConfig(device="cpu", fused_moe=True), cpu) == "torch"
+    assert resolve_fused_moe(EngineConfig(device="cpu", fused_moe=False), cpu) is None
+    with pytest.raises(ValueError, match="fused_moe"):
+        EngineConfig(fused_moe="yes")
