@@ -47,6 +47,7 @@ class EngineParts:
     outputs: OutputProcessor
     # seconds of each build phase: the loading phases of LoadedModel.phases
     # (transformers_import, model_config, cuda_init, model_weights, tokenizer), fused_layers,
+    # fused_moe (MoE models),
     # kv_cache (profiling step memory and allocating the pool), attention (probe + backend),
     # cuda_graphs (capture), rest
     startup: dict[str, float] = field(default_factory=dict)
@@ -81,6 +82,14 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
 
         fused = install_fused_layers(loaded.model)
         phases.mark("fused_layers")
+    moe = None
+    moe_backend = resolve_fused_moe(config, device)
+    if moe_backend is not None:
+        from actors.engine.model.moe import install_fused_moe
+
+        moe = install_fused_moe(loaded.model, moe_backend)
+        if moe.experts or moe.routers or moe.kept:  # an MoE model
+            phases.mark("fused_moe")
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         reserved = 0
@@ -114,6 +123,7 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
         from actors.engine.parallel.step import TPModelRunner as runner_cls
     runner = runner_cls(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
                         max_model_len=max_model_len, fused=fused)
+    runner.moe = moe
     if comm is not None:
         runner.comm = comm
     with comm.local() if comm is not None else nullcontext():
@@ -188,6 +198,21 @@ def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
     """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
     missing = None if importlib.util.find_spec("triton") else "triton is not installed"
     return _cuda_feature("fused_layers", config.fused_layers, device, missing)
+
+
+def resolve_fused_moe(config: EngineConfig, device: torch.device) -> str | None:
+    """The fused MoE backend: "triton" on CUDA with Triton installed (unless turned off),
+    "torch" (the kernels' references) on another device when asked for, else None."""
+    if config.fused_moe is False:
+        return None
+    if device.type != "cuda":
+        return "torch" if config.fused_moe else None
+    if importlib.util.find_spec("triton") is None:
+        if config.fused_moe:
+            raise ValueError("engine.fused_moe: needs triton on CUDA")
+        logger.warning("fused_moe off: triton is not installed")
+        return None
+    return "triton"
 
 
 def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:

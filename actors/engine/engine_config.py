@@ -50,6 +50,10 @@ class EngineConfig:
         fused_layers: swap one-kernel Triton RMSNorm, rotary embedding and gated SiLU into
             the model (``actors.engine.model.fused_layers``, each checked against the model's own code
             first); None means True on CUDA when Triton is installed, False elsewhere.
+        fused_moe: route MoE tokens and run their experts in the fused kernels
+            (``actors.engine.model.moe``, each module checked against the model's own code
+            first); None means True on CUDA when Triton is installed, False elsewhere. True
+            on CPU runs the kernels' torch references (same results as the model's modules).
         sampler_backend: passed to the sampler ("auto", "torch", "triton", "flashinfer").
         max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
         trust_remote_code: allow model code from the checkpoint.
@@ -91,6 +95,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int | None = None
     fused_layers: bool | None = None
+    fused_moe: bool | None = None
     sampler_backend: str = "auto"
     max_logprobs: int = 20
     trust_remote_code: bool = False
@@ -139,7 +144,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "trust_remote_code", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
-        for name in ("cuda_graphs", "fused_layers"):
+        for name in ("cuda_graphs", "fused_layers", "fused_moe"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true, false or None", getattr(self, name))
         if self.quantization not in _QUANTIZATIONS:
