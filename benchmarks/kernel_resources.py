@@ -77,7 +77,7 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
     from sampler.kernels import candidates, rank, record
-    from sampler.kernels.config import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
+    from sampler.kernels.kernel_config import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
     from sampler.kernels.fused import _fused_sampler_kernel
     from sampler.kernels.launcher import cand_geometry
     from sampler.kernels.row_stats import _stats_kernel
@@ -122,7 +122,7 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, str]]:
-    from sampler.kernels.config import LaunchConfig
+    from sampler.kernels.kernel_config import LaunchConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")

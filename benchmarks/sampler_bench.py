@@ -160,7 +160,7 @@ def _triton_variant(name: str) -> None:
     import re
 
     if name.startswith("triton"):
-        from sampler.kernels.config import LaunchConfig, set_launch_config
+        from sampler.kernels.kernel_config import LaunchConfig, set_launch_config
 
         if "@" in name:
             spec = name.split("@")[1]

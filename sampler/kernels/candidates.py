@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.config import REC_LSE_R, REC_LSE_T, REC_WIDTH
+from sampler.kernels.kernel_config import REC_LSE_R, REC_LSE_T, REC_WIDTH
 from sampler.kernels.draw import _gumbel_max_of
 from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.process import _processed, _row_flags, _row_processing
@@ -100,8 +100,9 @@ def _cand_stats_kernel(
     need beyond the statistics is found from per-cell maxima kept in registers (a cell: one
     lane's ``VEC`` tokens in ``CG`` consecutive tiles, so lane r of tile j is in cell
     ``(r, j // CG)``; ``CG`` a power of two, ``CG * VEC`` tiles a chunk at most): the cells
-    whose maximum reaches ``t_c`` are compacted into ``scratch`` and only their tokens are read again (from L2).
-    Touched tokens are found from the chunk's nonzero touch words, compacted the same way.
+    whose maximum reaches ``t_c`` are compacted into ``scratch`` and only their tokens are
+    read again (from L2). Touched tokens are found from the chunk's nonzero touch words,
+    compacted the same way.
 
     FINISH (a step of greedy rows of unprocessed logits without top logprobs): the last of a
     row's chunk programs to finish (``arrive_ptr``: per row, how many have) combines the

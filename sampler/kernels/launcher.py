@@ -18,8 +18,8 @@ import torch
 import triton
 
 from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
-from sampler.kernels.config import (FIRST_BIN_WIDTH, MAX_CAP, MAX_PASSES, NUM_BINS, REC_WIDTH,
-                                    LaunchConfig, launch_config, placeholder)
+from sampler.kernels.kernel_config import (FIRST_BIN_WIDTH, MAX_CAP, MAX_PASSES, NUM_BINS,
+                                           REC_WIDTH, LaunchConfig, launch_config, placeholder)
 from sampler.kernels.fused import _fused_sampler_kernel
 from sampler.kernels.rank import _chunk_rank_kernel
 from sampler.kernels.record import record_kwargs, record_sampled_triton

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.config import REC_LSE_R, REC_LSE_T, REC_WIDTH
+from sampler.kernels.kernel_config import REC_LSE_R, REC_LSE_T, REC_WIDTH
 from sampler.kernels.reductions import _mode_value
 
 

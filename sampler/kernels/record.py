@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sampler.kernels.config import placeholder
+from sampler.kernels.kernel_config import placeholder
 from sampler.state import FREQUENCY, PRESENCE, REPETITION
 
 REP: tl.constexpr = tl.constexpr(REPETITION)

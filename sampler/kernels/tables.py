@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampler.kernels.config import placeholder
+from sampler.kernels.kernel_config import placeholder
 from sampler.ops.bad_words import PAD_ANY
 
 

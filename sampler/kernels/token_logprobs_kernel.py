@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sampler.kernels.config import launch_config
+from sampler.kernels.kernel_config import launch_config
 from sampler.kernels.reductions import _lse, _online_lse
 
 

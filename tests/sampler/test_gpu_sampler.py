@@ -222,7 +222,7 @@ def test_candidate_path_on_the_benchmark_workloads(workload):
     logprobs."""
     import dataclasses
 
-    from sampler.kernels.config import launch_config, set_launch_config
+    from sampler.kernels.kernel_config import launch_config, set_launch_config
 
     set_launch_config(dataclasses.replace(launch_config(151936), greedy_split=False,
                                           greedy_one=False))
@@ -237,7 +237,7 @@ def test_greedy_steps_in_one_launch_on_the_benchmark_workloads(workload):
     """The all-greedy benchmark workloads at 256 rows x 151,936 (bf16) at the default launch
     config (one launch a step, each row finished by its last chunk program): four steps of
     the stateful Triton sampler give the torch sampler's tokens, logprobs and ranks."""
-    from sampler.kernels.config import launch_config
+    from sampler.kernels.kernel_config import launch_config
     from sampler.kernels.launcher import greedy_one
 
     probe = Sampler(1, 151936, device=DEV, eos_token_ids=[0])

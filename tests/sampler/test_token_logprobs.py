@@ -89,7 +89,7 @@ def test_triton_equals_the_fused_kernels_modes():
     tokens = got["raw_logprobs"][0]
     t = torch.tensor([x or 1.0 for x in temps], device=DEVICE)
     raw, temp = compute_token_logprobs(logits, tokens, t, backend="triton")
-    from sampler.kernels.config import launch_config
+    from sampler.kernels.kernel_config import launch_config
 
     # the same accumulators as the fused kernel's one-pass statistics (bit for bit); a split
     # statistics pass combines partials in another order (rounding only)

@@ -100,7 +100,7 @@ def _without_candidates():
     (the tests of the fused kernel's own paths)."""
     import dataclasses
 
-    from sampler.kernels.config import launch_config
+    from sampler.kernels.kernel_config import launch_config
 
     return dataclasses.replace(launch_config(1000), cand=False)
 
@@ -110,7 +110,7 @@ def _without_candidates():
 def test_fused_kernel_matches_torch_pipeline(seed, cand):
     """Random batches (every feature): the default path (the candidate path's rows beside
     the fused kernel's) and the fused kernel alone equal torch."""
-    from sampler.kernels.config import set_launch_config
+    from sampler.kernels.kernel_config import set_launch_config
 
     rows, vocab = (7, 1000) if seed % 2 else (3, 111)
     sampler, slots = make_batch(seed, rows, vocab)
@@ -130,7 +130,7 @@ def test_fused_kernel_matches_torch_pipeline(seed, cand):
 def test_kept_sets_equal_oracle(seed, cand):
     """The kernel's kept set {t : processed_t / T >= threshold} is the torch pipeline's
     (default path and fused kernel alone)."""
-    from sampler.kernels.config import set_launch_config
+    from sampler.kernels.kernel_config import set_launch_config
 
     set_launch_config(None if cand else _without_candidates())
     try:
@@ -333,7 +333,7 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split, cand):
     kernel only combines them (the greedy split); that, the fused kernel alone and the
     candidate path equal torch, penalties and bias that move the argmax away from the raw one
     (rank counted over the row) included."""
-    from sampler.kernels.config import LaunchConfig, launch_config, set_launch_config
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
     set_launch_config(LaunchConfig(**{**{f: getattr(base, f) for f in LaunchConfig.__slots__},
@@ -373,7 +373,7 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs, cand)
     is kept in registers, with them it is read again) and greedy rows beside a random one
     (the candidate path, or with it off the fused kernel's pass 1, the best tile read
     again)."""
-    from sampler.kernels.config import LaunchConfig, launch_config, set_launch_config
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
     from sampler.kernels.launcher import run_pipeline_triton
 
     rows, vocab = 5, 1000
@@ -497,7 +497,7 @@ def test_sliced_vocab_and_bf16():
 def test_kernel_variants_agree(hist, skip):
     """Per-lane bin counts and the no-skip sampling pass give the torch pipeline's results
     too (as do the defaults, histograms and skipped tiles)."""
-    from sampler.kernels.config import LaunchConfig, launch_config, set_launch_config
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
     set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
@@ -518,7 +518,7 @@ def test_prefetch_depths_give_identical_outputs():
     pipeline's results; with and without the draw-first paths."""
     import dataclasses
 
-    from sampler.kernels.config import launch_config, set_launch_config
+    from sampler.kernels.kernel_config import launch_config, set_launch_config
     from sampler.kernels.launcher import run_pipeline_triton
 
     base = dataclasses.replace(launch_config(1000), block=128, cand=False)
