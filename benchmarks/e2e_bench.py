@@ -285,7 +285,6 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
              "attention_backend": info["attention_backend"],
              "cuda_graphs": info["cuda_graphs"], "fused_layers": info["fused_layers"],
              "sampler_backend": engine.sampler.backend,
-             "sampler_chunked": bool(args.sampler_chunked),
              "num_kv_blocks": info["num_kv_blocks"], "output_tok_s_at_top_p": extra}
     del engine
     return stats
@@ -374,8 +373,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="the model's own RMSNorm / rotary / SiLU code (no actors.engine.model.kernels)")
-    p.add_argument("--sampler-chunked", action="store_true",
-                   help="the Triton sampler's chunked pipeline (sampler.kernels.chunked)")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
     p.add_argument("--mix", choices=("top_p", "job"), default="top_p",
                    help="the engine's sampling params: T + top-p (default), or job_bench's "
@@ -385,9 +382,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "(output tok/s only), e.g. 1.0 for temperature-only sampling")
     p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
     args = p.parse_args(argv)
-    if args.sampler_chunked:
-        from sampler.kernels.pipeline import LaunchConfig, set_launch_config
-        set_launch_config(LaunchConfig(chunked=True))
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     args.extra_top_p = [float(v) for v in args.extra_top_p.split(",") if v]
     out = Path(args.out)

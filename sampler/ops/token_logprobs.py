@@ -79,7 +79,7 @@ def compute_token_logprobs(
     if backend == "torch":
         return compute_token_logprobs_torch(logits, token_ids, temperature)
     if backend == "triton":
-        from sampler.kernels.token_logprobs import compute_token_logprobs_triton
+        from sampler.kernels.token_logprobs_kernel import compute_token_logprobs_triton
 
         return compute_token_logprobs_triton(logits, token_ids, temperature)
     raise ValueError(f"backend: must be one of {', '.join(TOKEN_LOGPROB_BACKENDS)}, "

@@ -10,7 +10,7 @@ import torch
 
 from sampler import SamplingParams
 from sampler.ops.top_k_top_p import apply_top_k_top_p
-from sampler.reference import reference_top_p_keep
+from tests.sampler.reference import reference_top_p_keep
 
 from tests.sampler.helpers import oracle_rows, random_logits, run_sampler
 

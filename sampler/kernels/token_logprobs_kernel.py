@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sampler.kernels.fused import _lse, _online_lse
-from sampler.kernels.pipeline import launch_config
+from sampler.kernels.kernel_config import launch_config
+from sampler.kernels.reductions import _lse, _online_lse
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Plain Python loops over token sets and numpy float32 element arithmetic (IEEE single, the same
 rounding as the float32 kernels); transcendental functions (exp, log_softmax, cumsum) and the
 counter-based noise come from torch / :mod:`sampler.ops.gumbel` so a fast path can be compared
-with it bit for bit. Tests only: nothing in the engine calls it.
+with it bit for bit. Only the tests use it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from sampler.ops.gumbel import NoisePrecision, compute_gumbel_noise
-from sampler.output import SamplerOutput
 from sampler.params import SamplingParams
+from sampler.sampler_output import SamplerOutput
 
 NEG_INF = np.float32(-np.inf)
 

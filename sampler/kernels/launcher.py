@@ -1,191 +1,35 @@
-"""The Triton backend of the sampling pipeline: builds the kernels' tables and launches them
-(the candidate path, :mod:`sampler.kernels.candidates`, for the greedy and top-k rows it
-takes; the fused kernel, :mod:`sampler.kernels.fused`, for the others and the rows the path
-leaves; all-greedy steps of unprocessed logits without top logprobs as one launch of the
-candidate path's statistics kernel; the chunked pipeline or the greedy split where
-configured).
+"""The Triton backend of the sampling pipeline: builds the kernels' tables and launches them.
 
-Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for something the
-fused kernel does not compute (processed logprobs modes, whole-vocab logprobs, more top-k
-logprobs than its candidate list, fp64 noise) run on the torch path instead; the choice is
-made on the host from the step plan, without a device sync.
+All-greedy steps of unprocessed logits without top logprobs are one launch of the candidate
+path's statistics kernel; greedy and top-k rows take the candidate path
+(:mod:`sampler.kernels.candidates`); the fused kernel (:mod:`sampler.kernels.fused`) takes the
+others and the rows the path leaves; other all-greedy steps run the greedy split (pass 1 over
+vocab chunks, then the fused kernel). Same contract as :func:`sampler.pipeline.run_pipeline`.
+Batches that ask for what the kernels do not compute (processed logprobs modes, whole-vocab
+logprobs, more top-k logprobs than the candidate list, fp64 noise) run on the torch path; the
+choice is made on the host from the step plan, without a device sync.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 
-from sampler.kernels.chunked import (DRAW_ACTIVE, REC_WIDTH, _chunk_bounds_kernel,
-                                     _chunk_draw_combine_kernel, _chunk_draw_kernel,
-                                     _chunk_finish_kernel, _chunk_gather_kernel,
-                                     _chunk_rank_kernel)
 from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
-from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
+from sampler.kernels.kernel_config import (FIRST_BIN_WIDTH, MAX_CAP, MAX_PASSES, NUM_BINS,
+                                           REC_WIDTH, LaunchConfig, launch_config, placeholder)
+from sampler.kernels.fused import _fused_sampler_kernel
+from sampler.kernels.rank import _chunk_rank_kernel
 from sampler.kernels.record import record_kwargs, record_sampled_triton
-from sampler.ops.bad_words import PAD_ANY
-from sampler.output import SamplerOutput
+from sampler.kernels.row_stats import _stats_kernel
+from sampler.kernels.tables import kernel_tables
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
-from sampler.plan import StepPlan
+from sampler.sampler_output import SamplerOutput
+from sampler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-MAX_CAP = 1024  # longest candidate list (top-k / top-p boundary, top-k logprobs)
-NUM_BINS = 16
-MAX_PASSES = 48  # bound on refinement passes; typical rows need 2-6
-FIRST_BIN_WIDTH = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchConfig:
-    """Tile size and warps of the fused kernel (per vocab size; tunable by the benchmark)."""
-
-    block: int = 4096
-    num_warps: int = 16
-    cap: int = 256
-    vec: int = 8
-    hist: bool = True  # bin counts through tl.histogram (else per-lane sums)
-    skip: bool = True  # the full sampling pass skips tiles with nothing kept
-    split: int = 0  # > 0: pass 1 runs as a separate kernel over vocab chunks of this size
-    fast: bool = True  # top-k alone / top-p alone: draw over the min-p survivors, then verify
-    # the chunked pipeline (sampler.kernels.chunked) first, the fused kernel only for the rows
-    # it leaves unsettled: vocab chunks of `chunk` tokens, tiles of `chunk_block`, `lanes`
-    # lane maxima kept per chunk for the top-k bounds
-    chunked: bool = False
-    chunk: int = 16384
-    chunk_block: int = 1024
-    chunk_warps: int = 4
-    lanes: int = 64
-    draw_rounds: int = 6  # chunked draw-then-verify: verification rounds after the first draw
-    # all-greedy steps without top-k logprobs: pass 1 over vocab chunks of `chunk` tokens
-    # (tiles of `chunk_block`, `chunk_warps` warps), then the fused kernel at that size only
-    # combines them (token, logprob, rank); off: the fused kernel alone
-    greedy_split: bool = True
-    # all-greedy steps of unprocessed logits without top-k logprobs: one launch (the candidate
-    # path's statistics kernel, whose last program of a row finishes it); before the greedy
-    # split and the candidate path
-    greedy_one: bool = True
-    # > 1: the row-pass loops of the fused kernel (statistics, draws, verification) are
-    # software-pipelined this deep (tile loads run ahead into shared memory)
-    stages: int = 1
-    # the row-pass loops request the logits of the tile this many iterations ahead (0, 1, 2)
-    # before processing the current one
-    prefetch: int = 1
-    # the candidate path (sampler.kernels.candidates) for greedy rows and rows with top-k (and
-    # top logprobs) up to `cand_kmax`, the fused kernel only for the other rows and the rows
-    # it leaves: vocab chunks of `cand_chunk` tokens read in tiles of `cand_block` by
-    # `cand_warps` warps (`cand_vec` tokens a thread and tile row), candidate lists of
-    # `cand_cap` entries (a power of two), touched lists of `cand_tcap`
-    cand: bool = True
-    cand_chunk: int = 32768
-    cand_block: int = 1024
-    cand_warps: int = 4
-    cand_vec: int = 8
-    cand_cap: int = 1024
-    cand_tcap: int = 4096
-    cand_kmax: int = 64
-    cand_finish_warps: int = 4
-    # statistics kernel: selected cells a chunk (more: the row falls back), touch words
-    # expanded at a time
-    cand_cellcap: int = 256
-    cand_gw: int = 32
-
-
-_config_override: LaunchConfig | None = None
-
-
-def set_launch_config(config: LaunchConfig | None) -> None:
-    """Forces a launch config (benchmarks sweep it); None restores the default choice."""
-    global _config_override
-    _config_override = config
-
-
-def launch_config(vocab: int) -> LaunchConfig:
-    if _config_override is not None:
-        return _config_override
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every op in Python
-        return LaunchConfig(block=min(4096, max(64, triton.next_power_of_2(vocab))),
-                            num_warps=4, cap=64, cand_chunk=1024, cand_block=256, cand_vec=4,
-                            cand_cap=512, cand_tcap=256)
-    return LaunchConfig()
-
-
-@dataclass(slots=True)
-class KernelTables:
-    """Device tables of one step, with 1-element dummies for steps that do not run."""
-
-    W: int
-    pbits: torch.Tensor
-    pmask: torch.Tensor
-    counts: torch.Tensor
-    bias_ids: torch.Tensor
-    bias_vals: torch.Tensor
-    nbias: int
-    stop_ids: torch.Tensor
-    nstop: int
-    bans: torch.Tensor
-    nban: int
-    allowed: torch.Tensor
-
-
-def compute_bad_word_bans(idx_mapping: torch.Tensor, state) -> torch.Tensor:
-    """``[rows, max_words]`` int64: the last token of each bad word whose prefix matches the
-    row's recent output tokens, else -1 (same rule as :func:`sampler.ops.apply_bad_words`)."""
-    words = state.word_tokens[idx_mapping]  # [rows, W, L]
-    lens = state.word_lens[idx_mapping]
-    max_len = words.shape[-1]
-    last = words[..., -1]
-    if max_len > 1:
-        recent = state.recent_tokens
-        window = recent[idx_mapping][:, None, recent.shape[1] - (max_len - 1):]
-        prefix = words[..., :-1]
-        matched = ((prefix == window) | (prefix == PAD_ANY)).all(dim=-1)
-    else:
-        matched = torch.ones_like(last, dtype=torch.bool)
-    matched &= lens > 0
-    return torch.where(matched, last, -1).contiguous()
-
-
-_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-element zero tensor standing for a table that the launched specialisation never
-    reads or writes (made once per device and dtype: no fill kernel per step)."""
-    key = (device, dtype)
-    tensor = _PLACEHOLDERS.get(key)
-    if tensor is None:
-        tensor = _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
-    return tensor
-
-
-def kernel_tables(state, plan: StepPlan, idx_mapping: torch.Tensor,
-                  bans: torch.Tensor | None = None) -> KernelTables:
-    """Collects the state's tables for a launch (no copies of the large tables)."""
-    dev = idx_mapping.device
-    i64 = placeholder(dev, torch.int64)
-    if plan.do_penalties:
-        pbits, counts = state.penalty_bits, state.output_counts
-        pmask = state.prompt_mask.view(torch.uint8)
-    else:
-        pbits = placeholder(dev, torch.int32)
-        counts = pbits
-        pmask = placeholder(dev, torch.uint8)
-    if plan.do_bad_words and bans is None:
-        bans = compute_bad_word_bans(idx_mapping, state)
-    if not plan.do_bad_words:
-        bans = i64
-    allowed = state.allowed_mask.view(torch.uint8) if plan.do_allowed else pmask
-    return KernelTables(
-        W=(state.vocab_size + 31) // 32, pbits=pbits, pmask=pmask, counts=counts,
-        bias_ids=state.bias_ids, bias_vals=state.bias_values, nbias=state.bias_ids.shape[1],
-        stop_ids=state.stop_ids, nstop=state.stop_ids.shape[1],
-        bans=bans, nban=bans.shape[1] if plan.do_bad_words else 0, allowed=allowed,
-    )
 
 
 def supports(plan: StepPlan, precision: str) -> bool:
@@ -234,7 +78,7 @@ def run_pipeline_triton(
             to the fused kernel), when that path ran (debugging aid, tests).
 
     Returns:
-        :class:`~sampler.output.SamplerOutput` on the device.
+        :class:`~sampler.sampler_output.SamplerOutput` on the device.
     """
     global _fallback_logged
     if not supports(plan, precision):
@@ -263,11 +107,8 @@ def run_pipeline_triton(
                                                                  device=dev)
     if rows == 0:
         return SamplerOutput(token_ids=tok)
-    chunked = cfg.chunked
-    # the step's kernels record the sampled ids in the state themselves (not the chunked
-    # pipeline: its rank kernel runs after the fused kernel's)
-    record = (dict(record_kwargs(state, dev), RECORD=True)
-              if record_rows is not None and not chunked else None)
+    # the step's kernels record the sampled ids in the state themselves
+    record = dict(record_kwargs(state, dev), RECORD=True) if record_rows is not None else None
     if greedy_one(cfg, plan):
         _run_greedy_one(cfg, plan, rows, vocab, dev, state, logits, idx_mapping, tok, lp, rank,
                         thr, record)
@@ -291,7 +132,7 @@ def run_pipeline_triton(
     part_i = done = placeholder(dev, torch.int32)
     split = False  # pass 1 ran as _stats_kernel: the fused kernel combines its chunks
     block, warps = cfg.block, cfg.num_warps  # the fused kernel's launch
-    has_done = chunked
+    has_done = False
     if on_cand:
         done, left = _run_candidates(
             cfg, plan, k, kout, rows, vocab, dev, state, logits, idx_mapping, bans, tok, lp,
@@ -302,26 +143,15 @@ def run_pipeline_triton(
             return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
                            record_rows, True)
         has_done = True
-    elif chunked:
-        nchunk, ran = _run_chunked(cfg, head, tables, flags, plan, k, kout, rows, vocab, dev,
-                                   state, logits, idx_mapping, tok, lp, rank, topk_ids,
-                                   topk_vals, thr, draw=cfg.fast and thresholds is None)
-        part, part_i, done = ran.part, ran.part_i, ran.flags
-        if not plan.any_random and k == 0:  # greedy rows without top-k lists always settle
-            return _finish(plan, k, tok, lp, rank, topk_ids, topk_vals, state, idx_mapping,
-                           record_rows, False)
-    elif cfg.split > 0 or (cfg.greedy_split and not plan.any_random and k == 0):
-        split = True
-        size = cfg.split
-        if size <= 0:  # the greedy split: small programs for both kernels
-            block, warps, size = cfg.chunk_block, cfg.chunk_warps, cfg.chunk
-        chunk = max(block, size // block * block)
+    elif cfg.greedy_split and not plan.any_random and k == 0:
+        split = True  # the greedy split: small programs for both kernels
+        block, warps = cfg.chunk_block, cfg.chunk_warps
+        chunk = max(block, cfg.chunk // block * block)
         nchunk = triton.cdiv(vocab, chunk)
         part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
         part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
-        _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, part, 1,
-                                      **flags, BLOCK=block, VEC=cfg.vec, LANES=False,
-                                      STAGES=cfg.stages, PREFETCH=cfg.prefetch,
+        _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, **flags,
+                                      BLOCK=block, VEC=cfg.vec, PREFETCH=cfg.prefetch,
                                       num_warps=warps, enable_fp_fusion=False)
     cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
     # candidate-list counters: only the selection and top-k logprob passes use them
@@ -335,9 +165,9 @@ def run_pipeline_triton(
         kout, thr, done, **flags,
         ANY_SEL=plan.do_top_k or plan.do_top_p, ANY_MASS=plan.do_top_p, ANY_RK=k > 0,
         HIST=cfg.hist, SKIP=cfg.skip, BLOCK=block, VEC=cfg.vec, NP=NUM_BINS, CAP=cfg.cap,
-        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=chunked or split,
+        MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=split,
         NCP2=triton.next_power_of_2(nchunk), FAST=cfg.fast and thresholds is None,
-        HAS_DONE=has_done, STAGES=cfg.stages, PREFETCH=cfg.prefetch, **(record or {}),
+        HAS_DONE=has_done, PREFETCH=cfg.prefetch, **(record or {}),
         num_warps=warps,
         # no fused multiply-adds: bin edges computed per element and per row round alike
         # (as under the interpreter), so a token on an edge never falls between two bins
@@ -371,7 +201,7 @@ def greedy_one(cfg: LaunchConfig, plan: StepPlan) -> bool:
     """Whether a step is one launch (:func:`_run_greedy_one`, a kernel of the candidate path,
     so not with that path off): every row greedy, nothing changes the logits, no top-k
     logprobs."""
-    return (cfg.greedy_one and cfg.cand and not cfg.chunked and cfg.split <= 0
+    return (cfg.greedy_one and cfg.cand
             and not plan.any_random and not plan.mutates and plan.max_num_logprobs == 0)
 
 
@@ -401,7 +231,7 @@ def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
     may be eligible for it, and the step is not all-greedy without top logprobs (the greedy
     split's kernels are faster there)."""
     greedy_split = cfg.greedy_split and not plan.any_random and plan.max_num_logprobs == 0
-    return (cfg.cand and not cfg.chunked and not greedy_split
+    return (cfg.cand and not greedy_split
             and plan.min_select_k <= cfg.cand_kmax)
 
 
@@ -488,74 +318,3 @@ def _output(plan: StepPlan, k: int, tok, lp, rank, topk_ids, topk_vals) -> Sampl
     if not plan.any_logprobs:
         return SamplerOutput(token_ids=tok)
     return SamplerOutput(tok, lp, rank, topk_ids if k else None, topk_vals if k else None)
-
-
-@dataclass(slots=True)
-class _Chunked:
-    part: torch.Tensor
-    part_i: torch.Tensor
-    flags: torch.Tensor
-
-
-def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int, kout: int,
-                 rows: int, vocab: int, dev, state, logits, idx_mapping, tok, lp, rank,
-                 topk_ids, topk_vals, thr, *, draw: bool) -> tuple[int, _Chunked]:
-    """Steps 1-5 of :mod:`sampler.kernels.chunked`; returns the chunk count and the chunk
-    partials (the fused kernel's pass 1 for the rows left to it) with the per-row flags.
-    ``draw``: run the draw-then-verify rounds for random rows without top-k (else they are
-    left to the fused kernel)."""
-    chunk = max(cfg.chunk_block, cfg.chunk // cfg.chunk_block * cfg.chunk_block)
-    nchunk = triton.cdiv(vocab, chunk)
-    km = min(cfg.lanes, cfg.chunk_block // cfg.vec)
-    part = torch.empty(rows, nchunk, 8, dtype=torch.float32, device=dev)
-    part_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
-    lanes = torch.empty(rows, nchunk, 2, km, dtype=torch.float32, device=dev)
-    rec = torch.empty(rows, REC_WIDTH.value, dtype=torch.float32, device=dev)
-    best = torch.empty(rows, dtype=torch.int32, device=dev)
-    cand = torch.empty(rows, 2 * cfg.cap, dtype=torch.int64, device=dev)
-    counters = torch.zeros(rows, 2, dtype=torch.int32, device=dev)
-    done = torch.empty(rows, dtype=torch.int32, device=dev)
-    vtok = torch.empty(rows, dtype=torch.float32, device=dev)
-    small = dict(num_warps=cfg.chunk_warps, enable_fp_fusion=False)
-    # lane maxima only feed the top-k bounds (random rows' top-k, top-k logprobs)
-    _stats_kernel[(rows, nchunk)](*head, *tables, part, part_i, nchunk, chunk, lanes, km,
-                                  **flags, BLOCK=cfg.chunk_block, VEC=cfg.vec,
-                                  LANES=plan.any_random or k > 0, **small)
-    params = (idx_mapping, state.fparams, state.fparams.stride(0), state.iparams,
-              state.iparams.stride(0))
-    _chunk_bounds_kernel[(rows,)](part, part_i, lanes, nchunk, km, rec, best, *params, vocab,
-                                  NCP2=triton.next_power_of_2(nchunk),
-                                  NL=triton.next_power_of_2(nchunk * km), **small)
-    any_rk = k > 0
-    masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN", "HAS_ALLOWED")}
-    if plan.any_random or any_rk:
-        _chunk_gather_kernel[(rows, nchunk)](
-            *head, *tables, rec, cand, counters, chunk, **masks, ANY_RANDOM=plan.any_random,
-            ANY_RK=any_rk, BLOCK=cfg.chunk_block, VEC=cfg.vec, CAP=cfg.cap, **small)
-    draw = draw and plan.any_random and not plan.all_top_k
-    draw_f = draw_i = rec  # not read without draws
-    if draw:
-        draw_f = torch.empty(rows, 2, dtype=torch.float32, device=dev)  # (value of x, mass Z)
-        draw_i = torch.full((rows, 2), DRAW_ACTIVE.value, dtype=torch.int32,
-                            device=dev)  # (x, state)
-        dpart = torch.empty(rows, nchunk, 4, dtype=torch.float32, device=dev)
-        dpart_i = torch.empty(rows, nchunk, dtype=torch.int32, device=dev)
-        ncp2 = triton.next_power_of_2(nchunk)
-        for r in range(cfg.draw_rounds + 1):
-            first, last = r == 0, r == cfg.draw_rounds
-            _chunk_draw_kernel[(rows, nchunk)](
-                *head, *tables, rec, draw_f, draw_i, dpart, dpart_i, nchunk, chunk, **masks,
-                FIRST=first, BLOCK=cfg.chunk_block, VEC=cfg.vec, **small)
-            _chunk_draw_combine_kernel[(rows,)](
-                *params, vocab, draw_f, draw_i, dpart, dpart_i, nchunk, FIRST=first,
-                LAST=last, NCP2=ncp2, **small)
-    _chunk_finish_kernel[(rows,)](
-        logits, logits.stride(0), vocab, *params, state.positions, rec, best, cand, counters,
-        draw_f, draw_i, tok, lp, rank, topk_ids, topk_vals, kout, thr, done, vtok,
-        ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random, ANY_RK=any_rk, CAP=cfg.cap,
-        DRAW=draw, **small)
-    # a greedy row of unprocessed logits samples the raw maximum: rank 1, no count
-    if plan.any_logprobs and (plan.any_random or plan.mutates):
-        _chunk_rank_kernel[(rows, nchunk)](logits, logits.stride(0), vocab, *params, rec, done,
-                                           vtok, rank, chunk, BLOCK=cfg.chunk_block, **small)
-    return nchunk, _Chunked(part, part_i, done)
