@@ -398,8 +398,10 @@ def _actor_pids(root: int) -> list[tuple[int, str]]:
 
 
 def _committed(output: Path) -> dict:
+    from jobs.manifest import read_manifest
+
     try:
-        return json.loads((output / "_manifest.json").read_text()).get("committed", {})
+        return read_manifest(output).get("committed", {})
     except (OSError, ValueError):
         return {}
 
@@ -503,7 +505,9 @@ def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    checks: dict[str, bool] = {"success_marker": (output / "_SUCCESS").exists()}
+    from jobs.manifest import SUCCESS
+
+    checks: dict[str, bool] = {"success_marker": (output / SUCCESS).exists()}
     if not checks["success_marker"]:
         return checks, None
     table = pq.read_table(str(output)).sort_by([("id", "ascending"),

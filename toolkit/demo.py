@@ -74,11 +74,11 @@ def demo_config(output: str, model: str, num_actors: int) -> JobConfig:
 def run_demo(output: str = "demo-out", *, cache: Path | None = None,
              num_actors: int | None = None) -> JobResult:
     """Builds the model if needed, clears a previous demo output, runs the demo job."""
-    from jobs.manifest import MANIFEST
+    from jobs.manifest import LEGACY_MANIFEST, MANIFEST
     from jobs.runner import run_job
 
     out = Path(output)
-    if (out / MANIFEST).is_file():  # a previous demo: start over so it really generates
+    if (out / MANIFEST).is_file() or (out / LEGACY_MANIFEST).is_file():  # a previous demo: start over so it really generates
         shutil.rmtree(out)
     model = demo_model(cache)
     actors = num_actors or max(1, min(2, os.cpu_count() or 1))

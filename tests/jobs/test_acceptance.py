@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS, read_manifest
 from jobs.runner import run_job
 from sampler import derive_seed
 from tests.jobs.acceptance_data import (DEFAULTS, ENGINE, acceptance_rows, malformed_rows,
@@ -196,12 +196,12 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
             assert time.monotonic() < deadline
             time.sleep(0.2)
             if (out_c / MANIFEST).exists():
-                committed = json.loads((out_c / MANIFEST).read_text())["committed"]
+                committed = read_manifest(out_c)["committed"]
         driver.send_signal(signal.SIGKILL)
     finally:
         driver.kill()
         driver.wait()
-    committed = json.loads((out_c / MANIFEST).read_text())["committed"]
+    committed = read_manifest(out_c)["committed"]
     assert 3 <= len(committed) < 13 and not (out_c / SUCCESS).exists()
     before = part_stats(out_c)
     result = run_job({**config, "ray_address": None}, progress=False)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.manifest import MANIFEST, SUCCESS
+from jobs.manifest import MANIFEST, SUCCESS, manifest_bytes, read_manifest
 from jobs.runner import run_job
 from sampler import derive_seed
 from tests.jobs.fakes import BrokenActor, FakeActor, dies_while_starting
@@ -62,7 +62,7 @@ def test_job_commits_every_shard_once(clean_run):
     assert out.column("tag").to_pylist() == [f"t{i}" for i in range(63) for _ in range(_n(i))]
     seeds = dict(zip(out.column("id").to_pylist(), out.column("seed").to_pylist()))
     assert seeds == {i: 1000 + i if i % 3 == 0 else derive_seed(0, i) for i in range(63)}
-    manifest = json.loads((root / "out" / MANIFEST).read_text())
+    manifest = read_manifest(root / "out")
     assert sorted(map(int, manifest["committed"])) == list(range(10))
     assert (root / "out" / SUCCESS).exists()
     assert set(res.actor_share) <= {"actor-0", "actor-1"}
@@ -142,10 +142,10 @@ def test_finished_job_is_not_rerun_and_killed_job_resumes(ray_local, tiny_llama,
     assert again.shards_skipped == again.shards == 5 and part_stats(out) == before
     assert again.rows == sum(_n(i) for i in range(35))
 
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = read_manifest(out)
     for shard in ("1", "3"):  # as if the driver died before these commits
         del manifest["committed"][shard]
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / MANIFEST).write_bytes(manifest_bytes(manifest))
     (out / SUCCESS).unlink()
     (out / "part-00003.parquet").unlink()
     (out / ".part-00001-1.parquet.tmp").write_bytes(b"half a file")
@@ -166,7 +166,7 @@ def test_unwritable_part_fails_the_job_clearly_and_resumes(ray_local, tiny_llama
     config = _config(tiny_llama, tmp_path / "in", out)
     with pytest.raises(OSError, match="output: shard 1: cannot write .*part-00001.parquet"):
         run_job(config, actor_cls=FakeActor, progress=False)
-    committed = json.loads((out / MANIFEST).read_text())["committed"]
+    committed = read_manifest(out)["committed"]
     assert "1" not in committed and not (out / SUCCESS).exists()
     (out / "part-00001.parquet" / "blocker").rmdir()
     (out / "part-00001.parquet").rmdir()
@@ -197,7 +197,7 @@ def test_shard_queued_on_an_actor_that_dies_while_starting_is_not_an_attempt(
                   actor_cls=dies_while_starting(str(token)), progress=False)
     assert not token.exists(), "no actor died while starting"
     assert any("died while starting" in r.getMessage() for r in caplog.records)
-    committed = json.loads((tmp_path / "out" / MANIFEST).read_text())["committed"]
+    committed = read_manifest(tmp_path / "out")["committed"]
     assert sorted(map(int, committed)) == [0, 1, 2]
     assert all(entry["attempt"] == 1 for entry in committed.values()), committed
     assert res.shards_retried == 0 and res.errors == 0

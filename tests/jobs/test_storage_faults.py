@@ -25,7 +25,7 @@ from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
 from jobs.inputs import discover
-from jobs.manifest import MANIFEST, SUCCESS
+from jobs.manifest import MANIFEST, SUCCESS, read_manifest
 from jobs.plan import make_task, plan_shards
 from jobs.runner import run_job
 from jobs.storage import resolve
@@ -80,7 +80,7 @@ def _fail_after_commits(store, mode: str, commits: int) -> threading.Thread:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                done = len(json.loads((store.out_dir / MANIFEST).read_text())["committed"])
+                done = len(read_manifest(store.out_dir)["committed"])
             except (OSError, ValueError):
                 done = 0
             if done >= commits:
@@ -108,7 +108,7 @@ def test_storage_fault_mid_job_ends_clearly_and_rerun_resumes(ray_local, clean, 
     assert MESSAGES[mode] in message, message
 
     storage.heal()
-    committed = json.loads((storage.out_dir / MANIFEST).read_text())["committed"]
+    committed = read_manifest(storage.out_dir)["committed"]
     assert 2 <= len(committed) < SHARDS and not (storage.out_dir / SUCCESS).exists()
     result = run_job(config, actor_cls=FakeActor, progress=False)
     assert result.shards_skipped == len(committed) and result.shards == SHARDS

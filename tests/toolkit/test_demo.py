@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jobs.manifest import SUCCESS
 from sampler import SamplingParams
 from tests.jobs.helpers import is_loopback, listening_addresses, process_tree
 from toolkit.demo import demo_prompts
@@ -68,4 +69,4 @@ def test_demo_runs_and_prints_summary_and_rows(tmp_path):
     assert sorted(set(out.column("id").to_pylist())) == sorted(r["id"] for r in prompts)
     assert out.column("topic").to_pylist().count("chat") >= 4
     assert (tmp_path / "cache" / "tiny-llama" / "raygen_tiny.json").exists()
-    assert (tmp_path / "demo-out" / "_SUCCESS").exists()
+    assert (tmp_path / "demo-out" / SUCCESS).exists()
