@@ -9,17 +9,19 @@ error rows naming the field, the row id and the shard; the shard goes on.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from actors import profiling
 from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
-from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
+from actors.schema import OUTPUT_COLUMNS, PARAMS_FIELD, build_table, parquet_options
 from actors.task import ShardTask
 
 __all__ = ["ErrorOutput", "PartWriteError", "PreparedShard", "ShardPrefetch", "ShardResult",
@@ -137,7 +139,9 @@ def process_shard(task: ShardTask, run: RunRequests,
         rows.append((i, int(out.sample_index), out))
     rows.sort(key=lambda r: (r[0], r[1]))
     generated, wall = time.perf_counter(), time.time()
-    result = write_part(task, table, ids, rows, started)
+    params = {int(rid.rsplit(".", 1)[1]): p for rid, _, p in prepared.requests} \
+        if task.write_sampling_params else None
+    result = write_part(task, table, ids, rows, started, params)
     profiling.span("write", wall, task.shard_id)
     if profiling.trace is not None:
         profiling.trace.dump()
@@ -197,14 +201,53 @@ class ShardPrefetch:
         return result
 
 
+def _prompt_token_ids(task: ShardTask, table: pa.Table, positions: pa.Array,
+                      generated: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The ``prompt_token_ids`` column: the engine's (rows that asked for prompt logprobs),
+    else the row's input token ids (so a token-id prompt is carried to the output, error rows
+    included; an id beyond int32 is left out: that row is an error row anyway)."""
+    name = task.columns.get("token_ids")
+    if name is None or name not in table.column_names:
+        return generated
+    given = table.column(name).take(positions)
+    try:
+        given = given.cast(generated.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        given = pa.array([v if v is None or all(-2**31 <= t < 2**31 for t in v if t is not None)
+                          else None for v in given.to_pylist()], generated.type)
+    return pc.coalesce(generated, given)
+
+
+def _params_column(rows: list[tuple[int, int, Any]], params: dict[int, Any] | None) -> pa.Array:
+    """The ``sampling_params`` column: per output row, the params that reproduce it alone
+    (n=1, the sample's own seed) as JSON text; null for a row that never ran."""
+    values = []
+    for i, _, out in rows:
+        p = None if params is None else params.get(i)
+        seed = getattr(out, "seed", None)
+        values.append(None if p is None or seed is None else
+                      json.dumps(p.replace(n=1, seed=seed).to_dict(), sort_keys=True))
+    return pa.array(values, PARAMS_FIELD.type)
+
+
 def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
-               rows: list[tuple[int, int, Any]], started: float) -> ShardResult:
-    """Builds the part table (rows: (input index, sample index, output)) and commits it."""
+               rows: list[tuple[int, int, Any]], started: float,
+               params: dict[int, Any] | None = None) -> ShardResult:
+    """Builds the part table (rows: (input index, sample index, output)) and commits it.
+    ``params``: each input row's SamplingParams, for the ``sampling_params`` column."""
     positions = pa.array([r[0] for r in rows], type=pa.int64())
     outputs = [r[2] for r in rows]
     passthrough = table.select([f.name for f in task.schema
-                                if f.name not in OUTPUT_COLUMNS and f.name in table.column_names])
+                                if f.name not in OUTPUT_COLUMNS and f.name in table.column_names
+                                and not (task.write_sampling_params
+                                         and f.name == PARAMS_FIELD.name)])
     part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema)
+    index = part.schema.get_field_index("prompt_token_ids")
+    part = part.set_column(index, part.schema.field(index), _prompt_token_ids(
+        task, table, positions, part.column(index)))
+    if task.write_sampling_params:
+        index = part.schema.get_field_index(PARAMS_FIELD.name)
+        part = part.set_column(index, PARAMS_FIELD, _params_column(rows, params))
     output_dir = task.output_dir.rstrip("/")
     temp, final = f"{output_dir}/{task.temp_name}", f"{output_dir}/{task.part_name}"
     try:

@@ -25,6 +25,7 @@ _SEED_MAX = 2**63 - 1
 OUTPUT_FIELDS = (
     "model", "id_column", "prompt_column", "messages_column", "token_ids_column",
     "params_column", "sampling_params", "rows_per_shard", "seed", "engine", "trust_remote_code",
+    "write_sampling_params",
 )
 
 
@@ -63,6 +64,9 @@ class JobConfig:
             new local Ray on 127.0.0.1; ``"local"`` = always that local Ray.
         engine: ``actors.engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
         trust_remote_code: passed to transformers; off unless set.
+        write_sampling_params: also write a ``sampling_params`` column: per output row, the
+            params (JSON text) that reproduce it alone (the row's effective params, with
+            ``n: 1`` and the sample's own seed).
         deterministic: True (default): each actor runs one shard at a time on its engine,
             all of the shard's requests admitted together on a fresh prefix cache, so a
             shard's rows depend only on its rows and the model (and the hardware and library
@@ -97,6 +101,7 @@ class JobConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     deterministic: bool = True
+    write_sampling_params: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "output"):
@@ -133,7 +138,7 @@ class JobConfig:
         if not isinstance(self.engine, Mapping):
             raise _fail("engine", "must be a mapping of EngineConfig field -> value", self.engine)
         self.engine = dict(self.engine)
-        for name in ("trust_remote_code", "deterministic"):
+        for name in ("trust_remote_code", "deterministic", "write_sampling_params"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
 

@@ -134,7 +134,9 @@ def discover(config: JobConfig) -> InputSpec:
     roles = {"id": config.id_column, "prompt": config.prompt_column,
              "messages": config.messages_column, "token_ids": config.token_ids_column,
              "params": config.params_column}
-    consumed = set(roles.values())
+    # the prompt text and chat messages pass through as given; token ids come out as the
+    # generated prompt_token_ids column, params as the optional sampling_params one
+    consumed = {roles["id"], roles["token_ids"], roles["params"]}
     files: list[InputFile] = []
     schemas: list[pa.Schema] = []
     id_types: list[pa.DataType] = []
@@ -174,7 +176,8 @@ def discover(config: JobConfig) -> InputSpec:
         if name in OUTPUT_COLUMNS:
             raise ValueError(f"input: column {name!r} collides with the output column of that "
                              "name; rename it in the input")
-    return InputSpec(files, present, output_schema(id_type, passthrough), not id_types)
+    schema = output_schema(id_type, passthrough, sampling_params=config.write_sampling_params)
+    return InputSpec(files, present, schema, not id_types)
 
 
 def _unify_id(types: list[pa.DataType]) -> pa.DataType:

@@ -32,7 +32,9 @@ def test_three_formats_one_schema(tmp_path):
     assert spec.columns == {"id": "id", "prompt": "prompt", "messages": "messages",
                             "token_ids": "prompt_token_ids"}
     schema = spec.schema
-    assert schema.names == ["id", *[f.name for f in GENERATED_FIELDS], "lang", "score"]
+    # the prompt text and messages pass through; token ids are the generated column's
+    assert schema.names == ["id", *[f.name for f in GENERATED_FIELDS], "prompt", "lang",
+                            "messages", "score"]
     assert schema.field("id").type == pa.int64()
     assert schema.field("lang").type == pa.string() and schema.field("score").type == pa.float64()
 

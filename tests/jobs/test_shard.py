@@ -58,7 +58,7 @@ def test_rows_become_requests_and_errors_name_row_and_shard(tmp_path):
     [task] = _tasks(tmp_path, rows_per_shard=10, sampling_params={"max_tokens": 3})
     result = process_shard(task, EngineServer(FakeEngine()).run)
     part = pq.read_table(tmp_path / "out" / task.part_name)
-    assert part.schema.equals(output_schema(pa.string()))
+    assert part.schema.equals(output_schema(pa.string(), pa.schema([("prompt", pa.string())])))
     assert part.column("id").to_pylist() == ["a", "a", "b", "c", "d", "e", "f"]
     assert part.column("sample_index").to_pylist() == [0, 1, 0, 0, 0, 0, 0]
     errors = dict(zip(part.column("id").to_pylist(), part.column("error").to_pylist()))
