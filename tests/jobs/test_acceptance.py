@@ -29,14 +29,17 @@ from tests.jobs.helpers import assert_identical, part_stats, read_output
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+MESSAGE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 EXPECTED_SCHEMA = pa.schema([
     ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
     ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-    ("stop_reason", pa.string()), ("logprobs", pa.list_(pa.float32())),
+    ("stop_reason", pa.string()), ("stop_token_id", pa.int32()),
+    ("logprobs", pa.list_(pa.float32())),
     ("top_logprobs", pa.list_(pa.list_(TOP))), ("sampled_ranks", pa.list_(pa.int32())),
-    ("prompt_logprobs", pa.list_(pa.float32())), ("num_prompt_tokens", pa.int32()),
+    ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_token_ids", pa.list_(pa.int32())),
+    ("prompt_top_logprobs", pa.list_(pa.list_(TOP))), ("num_prompt_tokens", pa.int32()),
     ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
-    ("group", pa.int64()),
+    ("prompt", pa.string()), ("messages", MESSAGE), ("group", pa.int64()),
 ])
 JOB_SEED = 1234
 
@@ -98,18 +101,10 @@ def test_rows_types_and_logprobs(job_a):
 
 
 def test_output_loads_everywhere(job_a):
-    import datasets
-    import pandas as pd
-    import ray
+    from tests.jobs.test_output_columns import assert_every_reader_reads
 
-    out = job_a["root"] / "out-a"
-    expected = job_a["table"].num_rows
-    assert len(pd.read_parquet(out)) == expected
-    parts = sorted(str(p) for p in out.glob("part-*.parquet"))
-    ds = datasets.load_dataset("parquet", data_files=parts, split="train",
-                               cache_dir=str(job_a["root"] / "hf-cache"))
-    assert ds.num_rows == expected and ds.features["seed"].dtype == "int64"
-    assert ray.data.read_parquet(str(out)).count() == expected
+    assert_every_reader_reads(job_a["root"] / "out-a", job_a["table"],
+                              job_a["root"] / "hf-cache")
 
 
 @pytest.fixture(scope="module")
