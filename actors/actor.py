@@ -37,7 +37,12 @@ class GenerationActor:
     def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None,
                  *, first_shard: Any = None):
         started = time.perf_counter()
-        bytecode = cache_bytecode() if _in_ray_actor() else None
+        in_ray = _in_ray_actor()
+        bytecode = cache_bytecode() if in_ray else None
+        if in_ray:  # one bar per actor, forwarded to the driver's terminal, helps nobody
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         from actors.engine import Engine
         from actors.shard import ShardPrefetch, warm_up_io
 

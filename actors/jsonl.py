@@ -21,7 +21,7 @@ FORMAT = "jsonl-text-params"  # the format name a plan records for such a file
 _CHUNK = 4096  # lines per Arrow conversion
 
 
-def _lines(fs: pafs.FileSystem, path: str) -> Iterator[tuple[int, str]]:
+def lines(fs: pafs.FileSystem, path: str) -> Iterator[tuple[int, str]]:
     """(line number from 1, text) of the non-blank lines."""
     with fs.open_input_stream(path, compression="detect") as stream:
         rest, number = b"", 0
@@ -68,7 +68,7 @@ def _chunks(fs: pafs.FileSystem, path: str, params_column: str | None, start: in
     """Tables of the data rows ``[start, stop)`` (row = non-blank line), a chunk at a time."""
     rows: list[dict[str, Any]] = []
     first = 0
-    for index, (number, text) in enumerate(_lines(fs, path)):
+    for index, (number, text) in enumerate(lines(fs, path)):
         if stop is not None and index >= stop:
             break
         if index < start:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from actors import jsonl
+from actors import jsonl, openai_batch
 from sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ class ErrorOutput:
 def read_rows(task: ShardTask) -> pa.Table:
     """The shard's input rows ``[row_start, row_stop)`` of its file, every column."""
     start, stop = task.row_start, task.row_stop
+    if task.input_format == openai_batch.FORMAT:
+        table = openai_batch.read_range(task.input_fs, task.input_path, task.columns, start,
+                                        stop)
+        return _check_count(task, table)
     if task.input_format == jsonl.FORMAT:
         table = jsonl.read_range(task.input_fs, task.input_path, task.columns.get("params"),
                                  start, stop)
@@ -241,10 +245,15 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
     errors: dict[int, ErrorOutput] = {}
     cells = _Cells(table)
     params_of = _ParamsReader(task, cells)
+    given_error = task.columns.get("error")  # a line the reader could not make a row of
+    if given_error not in table.column_names:
+        given_error = None
     for i, row_id in enumerate(ids):
         try:
             if id_errors and i in id_errors:
                 raise ValueError(id_errors[i])
+            if given_error is not None and cells.get(given_error, i, "line") is not None:
+                raise ValueError(cells.get(given_error, i, "line"))
             if row_id is None:
                 raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
             params = params_of.read(i, row_id)

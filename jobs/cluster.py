@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -25,11 +26,17 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # worker lines forwarded to a file or a pipe: no colour codes around their prefix
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if target and target != "local":
         logger.info("connecting to Ray at %s", target)
         ray.init(address=target, logging_level=logging.WARNING)
     else:
         logger.info("starting a local Ray on 127.0.0.1")
+        # token auth on, as Ray's default for a new local cluster, but said explicitly: Ray
+        # then does not warn that it chose it
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
 
 

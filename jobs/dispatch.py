@@ -58,6 +58,29 @@ def _startup_text(facts: Any) -> str:
     return f" (startup: {', '.join(parts)})" if parts else ""
 
 
+def _wait_dead(handles: list[Any], timeout: float = 10.0) -> None:
+    """Waits until the killed actors are gone. ``ray.kill`` only sends the kill; a driver that
+    returned at once and then shut its local Ray down would leave actors still alive to be
+    stopped by SIGTERM, a normal interpreter exit in which Triton's nanobind bindings report
+    whatever compiled-kernel state is still alive as leaks (a ~40-line dump). A killed actor
+    ends without running its interpreter's finalizers."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    for handle in handles:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(),
+                                                                   0.1))
+            except ray.exceptions.GetTimeoutError:
+                break
+            except Exception:  # noqa: BLE001 - ActorDiedError and its kin: it is gone
+                break
+            time.sleep(0.05)  # answered: the kill has not landed yet
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "cause", None) or exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -67,8 +90,10 @@ class Dispatcher:
     """Runs shards on an actor pool until each is committed (or written as error rows)."""
 
     def __init__(self, start_actor: Callable[..., Any], num_actors: int, make_task: MakeTask,
-                 commit: Commit, max_attempts: int, fill_rows: int = 0) -> None:
+                 commit: Commit, max_attempts: int, fill_rows: int = 0,
+                 on_ready: Callable[[str], None] | None = None) -> None:
         self._start_actor = start_actor
+        self._on_ready_hook = on_ready  # called with a slot's name when its actor is up
         self._fill_rows = fill_rows
         self._most = shards_at_once(fill_rows)
         self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
@@ -113,8 +138,10 @@ class Dispatcher:
                     else:
                         self._on_done(slot, ref)
         finally:
+            handles = [slot.handle for slot in self._slots if slot.handle is not None]
             for slot in self._slots:
                 self._kill(slot)
+            _wait_dead(handles)
 
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:
@@ -150,6 +177,8 @@ class Dispatcher:
         slot.ready = None
         slot.failed_starts = 0
         logger.info("%s ready%s", slot.name, _startup_text(facts))
+        if self._on_ready_hook is not None:
+            self._on_ready_hook(slot.name)
 
     def _kill(self, slot: _Slot) -> None:
         import ray

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from actors import jsonl
+from actors import jsonl, openai_batch
 from actors.schema import OUTPUT_COLUMNS, output_schema
 from jobs.config import JobConfig
 from jobs.storage import Location, list_files, resolve
@@ -129,6 +129,13 @@ def _read_schema(loc: Location, fmt: str, params_column: str) -> tuple[str, pa.S
     return jsonl.FORMAT, schema, rows
 
 
+def _scan_batch(loc: Location, roles: dict[str, str]) -> tuple[pa.Schema, int]:
+    try:
+        return openai_batch.scan(loc.fs, loc.path, roles)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"input: cannot read {loc.path}: {exc}") from None
+
+
 def discover(config: JobConfig) -> InputSpec:
     """Lists, opens and checks every input file; builds the output schema."""
     roles = {"id": config.id_column, "prompt": config.prompt_column,
@@ -137,6 +144,9 @@ def discover(config: JobConfig) -> InputSpec:
     # the prompt text and chat messages pass through as given; token ids come out as the
     # generated prompt_token_ids column, params as the optional sampling_params one
     consumed = {roles["id"], roles["token_ids"], roles["params"]}
+    batch = config.input_format == "openai_batch"
+    if batch:  # a line's error goes to the error column
+        consumed.add(openai_batch.ERROR_COLUMN)
     files: list[InputFile] = []
     schemas: list[pa.Schema] = []
     id_types: list[pa.DataType] = []
@@ -144,7 +154,12 @@ def discover(config: JobConfig) -> InputSpec:
     present: dict[str, str] = {}
     offset = 0
     for loc, fmt in _files(config):
-        fmt, schema, rows = _read_schema(loc, fmt, config.params_column)
+        if batch:
+            fmt = openai_batch.FORMAT
+            schema, rows = _scan_batch(loc, roles)
+            present["error"] = openai_batch.ERROR_COLUMN
+        else:
+            fmt, schema, rows = _read_schema(loc, fmt, config.params_column)
         for role, name in roles.items():
             if name in schema.names:
                 _check_type(role, name, schema.field(name).type, loc.path)
