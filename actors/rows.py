@@ -154,6 +154,8 @@ def _messages(value: list, column: str) -> list[dict[str, Any]]:
         message = {key: v for key, v in message.items() if v is not None}
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"messages: message {k} of the {column!r} column has no role")
+        if message.get("content") is None:
+            raise ValueError(f"messages: message {k} of the {column!r} column has no content")
         out.append(message)
     return out
 

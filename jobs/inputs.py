@@ -125,6 +125,8 @@ def _read_schema(loc: Location, fmt: str, params_column: str) -> tuple[str, pa.S
     try:
         schema, rows = jsonl.scan(loc.fs, loc.path, params_column)
     except (ValueError, OSError) as exc:
+        if " line " in str(exc):  # it names the line: pyarrow's may be about another row
+            raise ValueError(str(exc)) from None
         raise ValueError(f"{exc} (pyarrow: {first.splitlines()[-1]})") from None
     return jsonl.FORMAT, schema, rows
 
