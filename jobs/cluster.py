@@ -34,10 +34,16 @@ def connect(address: str | None) -> None:
         ray.init(address=target, logging_level=logging.WARNING)
     else:
         logger.info("starting a local Ray on 127.0.0.1")
-        # token auth on, as Ray's default for a new local cluster, but said explicitly: Ray
-        # then does not warn that it chose it
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Ray turns token auth on for a new local cluster and warns that it did: that note
+        # is about the cluster raygen starts here, nothing for the user to do
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            _TokenAuthNote())
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+
+
+class _TokenAuthNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this")
 
 
 def check_resources(num_actors: int, num_gpus: float) -> None:

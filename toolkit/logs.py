@@ -21,6 +21,18 @@ PROGRESS_LOGGER = "jobs.progress"  # its INFO lines are the progress of a run wi
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
+class _ConsoleFormat(logging.Formatter):
+    """``raygen: <message>`` for progress lines, ``LEVEL logger: <message>`` for the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == PROGRESS_LOGGER and record.levelno == logging.INFO:
+            return f"raygen: {record.getMessage()}"
+        return super().format(record)
+
+
 class _Console(logging.Filter):
     """Records at the terminal's level, and the progress lines."""
 
@@ -99,7 +111,7 @@ def configured(level: int = logging.WARNING, *,
     lines) and, with ``log_file``, a :class:`SessionLogFile` at INFO (DEBUG when ``level`` is
     DEBUG), which the block gets. Everything is put back afterwards."""
     console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(_FORMAT))
+    console.setFormatter(_ConsoleFormat())
     console.addFilter(_Console(level))
     root = logging.getLogger()
     added: list[logging.Handler] = [console]
