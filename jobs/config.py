@@ -51,8 +51,8 @@ class JobConfig:
         model: local model directory or hub id (anything ``transformers`` loads).
         input: a file, a directory, a glob or a URI (``s3://…``, ``file://…``, any fsspec
             protocol), or a list of them. Parquet, Arrow/Feather and JSONL.
-        output: the output directory (local path or URI); it holds ``part-*.parquet``,
-            ``_manifest.json`` and, once finished, ``_SUCCESS``.
+        output: the output directory (local path or URI); it holds ``part-*.parquet`` and the
+            hidden ``.raygen/`` folder (``manifest.parquet``, once finished ``SUCCESS``).
         id_column, prompt_column, messages_column, token_ids_column, params_column: input
             column names. A row needs one of the three prompt columns.
         sampling_params: job defaults (vLLM field names); a row's own params override them
