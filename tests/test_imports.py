@@ -69,8 +69,8 @@ def test_triton_is_an_extra_and_a_cpu_run_needs_none(tiny_llama):
         assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")]
     code = ("import sys; sys.modules['triton'] = None\n"  # import triton -> ImportError
             "from toolkit import SamplingParams, generate\n"
-            f"outs = generate(['hello'], SamplingParams(max_tokens=3, seed=1), model={tiny_llama!r},"
-            " device='cpu', max_model_len=64)\n"
+            "outs = generate(['hello'], SamplingParams(max_tokens=3, seed=1),"
+            f" model={tiny_llama!r}, device='cpu', max_model_len=64)\n"
             "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
             "print(len(outs[0].output_token_ids))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -84,7 +84,8 @@ def run_demo(output: str = "demo-out", *, cache: Path | None = None,
     from jobs.runner import run_job
 
     out = Path(output)
-    if (out / MANIFEST).is_file() or (out / LEGACY_MANIFEST).is_file():  # a previous demo: start over so it really generates
+    # a previous demo: start over so it really generates
+    if (out / MANIFEST).is_file() or (out / LEGACY_MANIFEST).is_file():
         shutil.rmtree(out)
     model = demo_model(cache)
     actors = num_actors or max(1, min(2, os.cpu_count() or 1))

@@ -6,7 +6,6 @@ compare against it: a second run, a resumed run after killing its driver, malfor
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

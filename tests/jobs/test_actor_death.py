@@ -10,7 +10,6 @@ than ``max_shard_attempts`` times.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import random
@@ -25,7 +24,7 @@ import ray.cloudpickle
 
 import jobs.cluster
 from actors.actor import GenerationActor
-from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS, read_manifest
+from jobs.manifest import FAULTS_ENV, SUCCESS, read_manifest
 from jobs.runner import run_job
 from tests.jobs.helpers import assert_identical, read_output
 

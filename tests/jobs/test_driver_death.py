@@ -9,7 +9,6 @@ The third point, mid-job (SIGKILL from outside after some commits), is
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -24,7 +24,8 @@ def test_created_then_reopened_with_commits(tmp_path):
     again = Manifest.open(out, IDENTITY, PLAN)
     assert again.is_committed(1) and not again.is_committed(0) and not again.finished
     again.finish()
-    assert (tmp_path / "out" / STATE_DIR / "SUCCESS").exists() and Manifest.open(out, IDENTITY, PLAN).finished
+    assert (tmp_path / "out" / STATE_DIR / "SUCCESS").exists()
+    assert Manifest.open(out, IDENTITY, PLAN).finished
     assert [p.name for p in (tmp_path / "out").iterdir()] == [STATE_DIR]
     assert sorted(p.name for p in (tmp_path / "out" / STATE_DIR).iterdir()) == [
         "SUCCESS", "manifest.parquet"]

@@ -6,7 +6,6 @@ printed (``-s``) and recorded in docs/reliability.md.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys

@@ -12,7 +12,6 @@ the simulation itself everywhere.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
 from jobs.inputs import discover
-from jobs.manifest import MANIFEST, SUCCESS, read_manifest
+from jobs.manifest import SUCCESS, read_manifest
 from jobs.plan import make_task, plan_shards
 from jobs.runner import run_job
 from jobs.storage import resolve
