@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -85,3 +86,24 @@ def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: floa
         return remote_cls.remote(model, engine_config, first_shard=first_shard)
 
     return start
+
+
+def wait_until_dead(handles: list[Any], timeout: float = 10.0) -> None:
+    """Waits until the killed actors are gone. ``ray.kill`` only sends the kill; a driver that
+    returned at once and then shut its local Ray down would leave actors still alive to be
+    stopped by SIGTERM, a normal interpreter exit in which Triton's nanobind bindings report
+    whatever compiled-kernel state is still alive as leaks (a ~40-line dump). A killed actor
+    ends without running its interpreter's finalizers."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    for handle in handles:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(),
+                                                                   0.1))
+            except ray.exceptions.GetTimeoutError:
+                break
+            except Exception:  # noqa: BLE001 - ActorDiedError and its kin: it is gone
+                break
+            time.sleep(0.05)  # answered: the kill has not landed yet

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from actors.serving import EngineFailure
 from actors.shard import PartWriteError, ShardResult, ShardTask, write_failed_shard
-from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT
+from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT, wait_until_dead
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +56,6 @@ def _startup_text(facts: Any) -> str:
         return ""
     parts = [f"{k.replace('_', ' ')} {v:.1f} s" for k, v in facts.items() if v is not None]
     return f" (startup: {', '.join(parts)})" if parts else ""
-
-
-def _wait_dead(handles: list[Any], timeout: float = 10.0) -> None:
-    """Waits until the killed actors are gone. ``ray.kill`` only sends the kill; a driver that
-    returned at once and then shut its local Ray down would leave actors still alive to be
-    stopped by SIGTERM, a normal interpreter exit in which Triton's nanobind bindings report
-    whatever compiled-kernel state is still alive as leaks (a ~40-line dump). A killed actor
-    ends without running its interpreter's finalizers."""
-    import time
-
-    import ray
-
-    deadline = time.monotonic() + timeout
-    for handle in handles:
-        while time.monotonic() < deadline:
-            try:
-                ray.get(handle.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(),
-                                                                   0.1))
-            except ray.exceptions.GetTimeoutError:
-                break
-            except Exception:  # noqa: BLE001 - ActorDiedError and its kin: it is gone
-                break
-            time.sleep(0.05)  # answered: the kill has not landed yet
 
 
 def _first_line(exc: BaseException) -> str:
@@ -141,7 +118,7 @@ class Dispatcher:
             handles = [slot.handle for slot in self._slots if slot.handle is not None]
             for slot in self._slots:
                 self._kill(slot)
-            _wait_dead(handles)
+            wait_until_dead(handles)
 
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:

@@ -20,10 +20,11 @@ _LAZY = {
     "submit_job": "toolkit.submit",
     "job_status": "toolkit.submit",
     "RolloutPool": "toolkit.rollout",
+    "run_batch": "toolkit.batch",
 }
 
 __all__ = ["GenerationOutput", "JobConfig", "JobResult", "RolloutPool", "SamplingParams",
-           "generate", "job_status", "run_job", "submit_job"]
+           "generate", "job_status", "run_batch", "run_job", "submit_job"]
 
 
 def __getattr__(name: str):
