@@ -218,6 +218,24 @@ def _prompt_token_ids(task: ShardTask, table: pa.Table, positions: pa.Array,
     return pc.coalesce(generated, given)
 
 
+def _valid_text(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string column with its values that are not valid UTF-8 made null (such a row is an
+    error row, which names the prompt; readers would fail on the bytes)."""
+    try:
+        column.validate(full=True)
+        return column
+    except pa.ArrowInvalid:
+        pass
+    values = []
+    for chunk in column.chunks:
+        for i in range(len(chunk)):
+            try:
+                values.append(chunk[i].as_py())
+            except UnicodeDecodeError:
+                values.append(None)
+    return pa.chunked_array([pa.array(values, column.type)], column.type)
+
+
 def _params_column(rows: list[tuple[int, int, Any]], params: dict[int, Any] | None) -> pa.Array:
     """The ``sampling_params`` column: per output row, the params that reproduce it alone
     (n=1, the sample's own seed) as JSON text; null for a row that never ran."""
@@ -242,6 +260,10 @@ def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
                                 and not (task.write_sampling_params
                                          and f.name == PARAMS_FIELD.name)])
     part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema)
+    prompt = task.columns.get("prompt")
+    if prompt in part.column_names and pa.types.is_string(part.schema.field(prompt).type):
+        index = part.schema.get_field_index(prompt)
+        part = part.set_column(index, part.schema.field(index), _valid_text(part.column(index)))
     index = part.schema.get_field_index("prompt_token_ids")
     part = part.set_column(index, part.schema.field(index), _prompt_token_ids(
         task, table, positions, part.column(index)))

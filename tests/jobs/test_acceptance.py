@@ -21,9 +21,10 @@ import yaml
 from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS, read_manifest
 from jobs.runner import run_job
 from sampler import derive_seed
+from sampler.seeding import sample_seed
 from tests.jobs.acceptance_data import (DEFAULTS, ENGINE, acceptance_rows, malformed_rows,
                                         table_of, write_acceptance_input)
-from tests.jobs.helpers import assert_identical, part_stats, read_output
+from tests.jobs.helpers import assert_identical, part_stats, read_output, temporaries
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -76,7 +77,8 @@ def test_rows_types_and_logprobs(job_a):
         assert r["error"] is None and r["finish_reason"] in ("stop", "length")
         assert r["num_output_tokens"] == len(r["output_token_ids"]) >= 1
         assert r["num_output_tokens"] <= p.get("max_tokens", DEFAULTS["max_tokens"])
-        assert r["seed"] == p.get("seed", derive_seed(JOB_SEED, r["id"]))
+        row_seed = p.get("seed", derive_seed(JOB_SEED, r["id"]))
+        assert r["seed"] == sample_seed(row_seed, r["sample_index"])  # each sample its own
         if "logprobs" in p:
             assert len(r["logprobs"]) == len(r["sampled_ranks"]) == r["num_output_tokens"]
             assert all(v <= 0 for v in r["logprobs"])
@@ -203,7 +205,7 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
     assert result.shards_skipped == len(committed)
     for entry in committed.values():  # not recomputed: same inode, same mtime
         assert after[entry["part"]] == before[entry["part"]]
-    assert len(after) == 13 and not [p for p in os.listdir(out_c) if p.startswith(".")]
+    assert len(after) == 13 and not temporaries(out_c)
     assert_identical(read_output(out_c), job_a["table"])
 
 

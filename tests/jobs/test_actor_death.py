@@ -26,7 +26,7 @@ import jobs.cluster
 from actors.actor import GenerationActor
 from jobs.manifest import FAULTS_ENV, SUCCESS, read_manifest
 from jobs.runner import run_job
-from tests.jobs.helpers import assert_identical, read_output
+from tests.jobs.helpers import assert_identical, read_output, temporaries
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels
 
@@ -161,4 +161,4 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
     assert all(1 <= e["attempt"] <= attempts for e in committed.values())
     assert any(e["attempt"] > 1 for e in committed.values())
     assert (out / SUCCESS).exists()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # temporaries cleaned
+    assert not temporaries(out)  # temporaries cleaned

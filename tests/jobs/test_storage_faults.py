@@ -30,7 +30,7 @@ from jobs.runner import run_job
 from jobs.storage import resolve
 from tests.jobs.fakes import FakeActor, FakeEngine, SlowFakeActor
 from tests.jobs.faultfs import MESSAGES, SimulatedStorage, TmpfsStorage
-from tests.jobs.helpers import read_output, write_parquet
+from tests.jobs.helpers import read_output, temporaries, write_parquet
 
 pytestmark = pytest.mark.ray
 
@@ -112,7 +112,7 @@ def test_storage_fault_mid_job_ends_clearly_and_rerun_resumes(ray_local, clean, 
     result = run_job(config, actor_cls=FakeActor, progress=False)
     assert result.shards_skipped == len(committed) and result.shards == SHARDS
     assert (storage.out_dir / SUCCESS).exists()
-    assert not [p for p in storage.out_dir.iterdir() if p.name.startswith(".")]
+    assert not temporaries(storage.out_dir)
     assert read_output(storage.out_dir).equals(clean_table)
 
 
