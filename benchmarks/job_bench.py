@@ -413,7 +413,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     shard is committed; ``keep_log``: return every line as ``(seconds, line)`` in ``log``."""
     log(f"{name}: raygen run {config_path.name}")
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "run", str(config_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "-v", "run", str(config_path)],
                             cwd=repo, env=child_env(repo), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     events: dict[str, float] = {}
