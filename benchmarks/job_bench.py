@@ -153,9 +153,11 @@ def expected_schema():
     return pa.schema([
         ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
         ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-        ("stop_reason", pa.string()), ("logprobs", pa.list_(pa.float32())),
+        ("stop_reason", pa.string()), ("stop_token_id", pa.int32()),
+        ("logprobs", pa.list_(pa.float32())),
         ("top_logprobs", pa.list_(pa.list_(top))), ("sampled_ranks", pa.list_(pa.int32())),
-        ("prompt_logprobs", pa.list_(pa.float32())), ("num_prompt_tokens", pa.int32()),
+        ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_token_ids", pa.list_(pa.int32())),
+        ("prompt_top_logprobs", pa.list_(pa.list_(top))), ("num_prompt_tokens", pa.int32()),
         ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
         ("group", pa.int64()),
     ])
