@@ -81,7 +81,7 @@ class Sequence:
     temperature_logprobs: list[float] | None = None
     detok: Any = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     # fixed at creation, read on the per-step path: prompt length, and the token count at
     # which max_tokens is reached
