@@ -173,7 +173,9 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         head = ModelHead(hf_model)
     except ValueError as exc:
         raise UnsupportedModelError(f"{name}: {exc}") from None
-    specs = _probe(hf_model, head, text.num_hidden_layers, name, device)
+    # a rank that loads on the host probes there (its shard moves to the device later)
+    specs = _probe(hf_model, head, text.num_hidden_layers, name,
+                   torch.device("cpu") if on_host else device)
     first = specs[0]
     loaded = LoadedModel(
         model=hf_model,
