@@ -25,6 +25,7 @@ from actors.executor import InflightStep, StepExecutor
 from actors.outputs import GenerationOutput
 from actors.sequence import Request, Sequence
 from actors.setup import EngineParts, build_engine_parts
+from actors.structured import StructuredOutputs
 from actors.sleep import SleepController
 from actors.weights import WeightLoader
 
@@ -96,7 +97,13 @@ class Engine:
         self.sampler = parts.sampler
         self.inputs = parts.inputs
         self.outputs = parts.outputs
-        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk)
+        self.structured = StructuredOutputs(
+            self.tokenizer, vocab_size=self.loaded.vocab_size,
+            eos_token_ids=self.sampler.eos_token_ids, device=self.sampler.device,
+            max_num_seqs=self.config.max_num_seqs)
+        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk,
+                                     self.structured)
+        self._compiling: list[Request] = []  # requests whose constraint is still compiling
         self._requests: dict[Any, Request] = {}
         self._inflight: InflightStep | None = None
         self._ready: list[GenerationOutput] = []
@@ -198,7 +205,30 @@ class Engine:
         seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
         request.sequences.append(seq)
         self._requests[request_id] = request
+        constraint = request.params.structured_outputs
+        if constraint is not None:  # compiled off this thread; admitted once it is done
+            request.grammar = self.structured.submit(constraint)
+            self._compiling.append(request)
         self.scheduler.add(seq)
+
+    def _check_compiled(self) -> None:
+        """Requests whose constraint failed to compile end as errors (before any device
+        work); the others become admissible."""
+        still = []
+        for request in self._compiling:
+            if not request.grammar.done():
+                still.append(request)
+                continue
+            error = request.grammar.result().error
+            if error is None or self._requests.get(request.request_id) is not request:
+                continue
+            for seq in request.sequences:
+                self.scheduler.finish(seq)
+            self._requests.pop(request.request_id, None)
+            self._ready += self.outputs.error_outputs(
+                request.request_id, request.params.n, error, seed=request.seed,
+                num_prompt_tokens=request.num_prompt_tokens)
+        self._compiling = still
 
     def _reject(self, request_id: Any, params: Any, reason: str) -> None:
         """Error outputs for a request that cannot run (n and seed as far as its params can
@@ -224,6 +254,7 @@ class Engine:
     def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
         for slot in self.scheduler.finish(seq):
             self.sampler.remove_request(slot)
+        self.structured.release(seq)
         request = seq.request
         request.num_unfinished -= 1
         if request.num_unfinished <= 0:
@@ -239,7 +270,12 @@ class Engine:
             if self._blocked is not None and self.has_unfinished_requests():
                 raise RuntimeError(self._blocked)
             self._drain_inbox()
+            if self._compiling:
+                self._check_compiled()
             sched = self.scheduler.schedule()
+            if sched.is_empty and self._inflight is None and self._compiling:
+                # nothing can run until a constraint compiles: wait for one, not spin
+                self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             for slot in sched.released_slots:
                 self.sampler.remove_request(slot)
             for seq in sched.admitted:
@@ -264,6 +300,8 @@ class Engine:
     def _admit_to_sampler(self, seq: Sequence) -> None:
         request = seq.request
         self.outputs.start(seq)
+        if request.grammar is not None:
+            self.structured.start(seq)
         self.sampler.add_request(
             seq.slot, request.params, request.prompt_token_ids, seed=request.seed,
             sample_index=seq.sample_index, output_token_ids=seq.output_token_ids,

@@ -16,6 +16,7 @@ import torch
 from actors.model_runner import ModelRunner
 from actors.scheduler import SchedulerOutput
 from actors.sequence import PENDING, Request, Sequence
+from actors.structured import StructuredOutputs
 from sampler import AsyncOutput, Sampler, SamplerOutput, compute_prompt_logprobs
 from sampler.ops.token_logprobs import compute_token_logprobs
 
@@ -51,12 +52,16 @@ class StepExecutor:
         runner: the model runner.
         sampler: the stateful sampler (one slot per running sequence).
         prompt_logprobs_chunk: rows per LM-head chunk when scoring prompts.
+        structured: the engine's structured outputs (grammar masks of constrained rows),
+            or None.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, prompt_logprobs_chunk: int):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, prompt_logprobs_chunk: int,
+                 structured: StructuredOutputs | None = None):
         self.runner = runner
         self.sampler = sampler
         self.chunk = prompt_logprobs_chunk
+        self.structured = structured
         self.timer = None  # an actors.step_timer.StepTimer while timing (benchmarks)
 
     @torch.no_grad()
@@ -83,8 +88,14 @@ class StepExecutor:
             # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
             # backend's fallback): keep the raw ones for the extra logprobs
             raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
+            mask = None
+            structured = self.structured
+            if structured is not None and structured.num_active:
+                # the forward is queued: the host advances the matchers with the previous
+                # step's ids and fills this step's masks meanwhile
+                mask = structured.step_mask(sample_seqs, lambda: prev.output.get().token_ids)
             out = self.sampler.sample(logits, inputs.sample_slots,
-                                      device_slots=runner.sample_slots)
+                                      device_slots=runner.sample_slots, token_bitmask=mask)
             if wants_extra:
                 step.token_logprobs = self._token_logprobs(raw, out.token_ids, sched.sample_seqs)
             step.output = AsyncOutput(out)

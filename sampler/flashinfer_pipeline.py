@@ -4,9 +4,9 @@ Same contract as :func:`sampler.pipeline.run_pipeline`. A step runs here when th
 plan allows it (:func:`unsupported_reason`); otherwise it runs on the Triton or torch path
 given at construction (decided on the host, no device sync). On a step that runs here:
 
-- steps 2–6 (allowed ids, bad words, min_tokens, logit bias, penalties) run only when the
-  plan needs them, on our ops (the Triton processing kernel on CUDA when Triton is there,
-  else the torch ops), into a float32 working copy;
+- steps 2–6 (grammar masks, allowed ids, bad words, min_tokens, logit bias, penalties) run
+  only when the plan needs them, on our ops (the Triton processing kernel on CUDA when Triton
+  is there, else the torch ops; grammar masks on the torch op), into a float32 working copy;
 - greedy rows: argmax of those logits (step 7; ties to the lowest id);
 - random rows: ``flashinfer.sampling.softmax`` with the per-row temperature (step 8), min-p
   on the probabilities (step 9: ``p_t < min_p * p_max`` is ``logit_t < max + ln(min_p)``),
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from sampler.ops import compute_logprob_outputs
+from sampler.ops import apply_token_bitmask, compute_logprob_outputs
 from sampler.output import SamplerOutput
 from sampler.pipeline import (
     PROCESSED_LOGITS,
@@ -198,7 +199,7 @@ class FlashInferPipeline:
                    plan: StepPlan, *, inplace: bool) -> torch.Tensor:
         """Steps 2–6 when the plan needs them, into float32 logits the caller's raw values
         never depend on; else ``logits`` itself (any dtype)."""
-        if not (plan.do_allowed or plan.do_bad_words or plan.do_min_tokens
+        if not (plan.do_allowed or plan.do_grammar or plan.do_bad_words or plan.do_min_tokens
                 or plan.do_logit_bias or plan.do_penalties):
             return logits
         if logits.dtype != torch.float32:
@@ -210,6 +211,9 @@ class FlashInferPipeline:
         if self._triton_processing:
             from sampler.kernels.process import apply_processing
 
+            if plan.do_grammar:  # the processing kernel does not read grammar masks
+                apply_token_bitmask(x, state.token_bitmask.bits, state.token_bitmask.rows)
+                plan = replace(plan, do_grammar=False)
             apply_processing(x, idx, state, plan)
             return x
         apply_masks_and_penalties(x, idx, state, plan)

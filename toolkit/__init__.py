@@ -11,6 +11,7 @@ from toolkit.generate import generate  # noqa: E402,F401
 # Everything else loads on first access (module __getattr__, PEP 562).
 _LAZY = {
     "SamplingParams": "sampler.params",
+    "StructuredOutputsParams": "sampler.structured_params",
     "GenerationOutput": "actors.outputs",
     "JobConfig": "jobs.config",
     "JobResult": "jobs.progress",
@@ -21,7 +22,7 @@ _LAZY = {
 }
 
 __all__ = ["GenerationOutput", "JobConfig", "JobResult", "RolloutPool", "SamplingParams",
-           "generate", "job_status", "run_job", "submit_job"]
+           "StructuredOutputsParams", "generate", "job_status", "run_job", "submit_job"]
 
 
 def __getattr__(name: str):
