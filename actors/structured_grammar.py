@@ -33,8 +33,10 @@ def to_lark(so: StructuredOutputsParams) -> str:
     import llguidance
 
     kind = so.kind
-    if kind in ("json", "json_object"):
-        schema = so.json if kind == "json" else {"type": "object"}
+    if kind == "json_object":
+        return json_object_lark(so)
+    if kind == "json":
+        schema = so.json
         if so.disable_additional_properties:
             schema = _no_additional_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options(so))
@@ -58,6 +60,31 @@ def json_options(so: StructuredOutputsParams) -> dict[str, Any]:
     if so.disable_any_whitespace:
         return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
     return {"whitespace_flexible": True}
+
+
+# any JSON object (RFC 8259), with numbers that stay finite as IEEE doubles (at most 16
+# integer digits, a two-digit exponent) and no escape that decodes to a lone surrogate
+_JSON_OBJECT = r'''start: object
+?value: object | array | STRING | NUMBER | "true" | "false" | "null"
+object: "{" [pair ("," pair)*] "}"
+pair: STRING ":" value
+array: "[" [value ("," value)*] "]"
+STRING: /"(\\(["\\\/bfnrt]|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))|[^"\\\x00-\x1F])*"/
+NUMBER: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?/
+'''
+
+
+def json_object_lark(so: StructuredOutputsParams) -> str:
+    """The grammar of ``json_object``: one JSON object at the top level (never an array),
+    whitespace as :func:`json_options` says."""
+    if so.whitespace_pattern is not None:
+        space = so.whitespace_pattern
+    else:
+        space = "" if so.disable_any_whitespace else r"[ \t\n\r]+"
+    text = _JSON_OBJECT + (f"%ignore /{space}/\n" if space else "")
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(text)
 
 
 def _no_additional_properties(schema: Any) -> Any:
