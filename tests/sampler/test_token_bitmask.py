@@ -1,0 +1,113 @@
+"""Grammar masks in the sampler: the packed per-row bitmask op, and Sampler.sample with masks
+on some rows (raw logprobs before the mask, processed ones after)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sampler import Sampler, SamplingParams
+from sampler.grammar_mask import StepBitmask
+from sampler.ops.token_bitmask import apply_token_bitmask, unpack_token_bitmask
+
+from tests.sampler.helpers import random_logits
+
+
+def pack(allowed: np.ndarray) -> torch.Tensor:
+    """``[rows, vocab]`` bool -> ``[rows, ceil(vocab / 32)]`` int32, bit t&31 of word t>>5."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    padded = np.zeros((rows, words * 32), dtype=bool)
+    padded[:, :vocab] = allowed
+    bits = (padded.reshape(rows, words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64))
+    return torch.from_numpy(bits.sum(axis=2).astype(np.uint32).view(np.int32))
+
+
+def random_allowed(rows: int, vocab: int, seed: int, density: float = 0.05) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    allowed = rng.random((rows, vocab)) < density
+    allowed[np.arange(rows), rng.integers(0, vocab, rows)] = True  # never an empty row
+    return allowed
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 31), (7, 111), (5, 1000), (3, 32000)])
+def test_apply_token_bitmask_matches_a_loop(rows, vocab):
+    logits = random_logits(rows, vocab, 1)
+    mask_rows = np.arange(0, rows, 2)
+    allowed = random_allowed(len(mask_rows), vocab, rows)
+    x = logits.clone()
+    apply_token_bitmask(x, pack(allowed), torch.from_numpy(mask_rows))
+    want = logits.clone()
+    for j, r in enumerate(mask_rows):
+        for t in range(vocab):
+            if not allowed[j, t]:
+                want[r, t] = float("-inf")
+    assert torch.equal(x, want)
+
+
+def test_tokens_past_the_mask_words_are_masked():
+    bits = torch.tensor([[-1]], dtype=torch.int32)  # 32 tokens allowed
+    assert unpack_token_bitmask(bits, 40)[0].tolist() == [True] * 32 + [False] * 8
+    x = torch.zeros(1, 40)
+    apply_token_bitmask(x, bits, torch.tensor([0]))
+    assert torch.isinf(x[0, 32:]).all() and torch.isfinite(x[0, :32]).all()
+
+
+def _sampler(params, vocab, backend="torch"):
+    s = Sampler(len(params), vocab, device="cpu", eos_token_ids=[0], backend=backend)
+    for slot, p in enumerate(params):
+        s.add_request(slot, p, [1, 2], seed=p.seed or 0)
+    return s
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sampler_masks_only_the_constrained_rows(backend):
+    vocab, rows = 1000, 6
+    params = [SamplingParams(temperature=0.0 if r % 3 == 0 else 1.0, top_k=20 if r == 4 else 0,
+                             seed=r, logprobs=3) for r in range(rows)]
+    logits = random_logits(rows, vocab, 2)
+    mask_rows = np.array([1, 3, 4])
+    allowed = random_allowed(len(mask_rows), vocab, 9)
+    plain = _sampler(params, vocab, backend).sample(logits.clone(), list(range(rows)))
+    masked_s = _sampler(params, vocab, backend)
+    mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
+    out = masked_s.sample(logits.clone(), list(range(rows)), token_bitmask=mask)
+    for r in range(rows):
+        if r in mask_rows:
+            j = int(np.flatnonzero(mask_rows == r)[0])
+            assert allowed[j, out.token_ids[r].item()]
+        else:  # unconstrained rows: the same draw as without masks
+            assert out.token_ids[r] == plain.token_ids[r]
+            assert out.logprobs[r].item() == pytest.approx(plain.logprobs[r].item(), abs=1e-5)
+    # raw logprobs are the model's: the sampled token's value from the unmasked logits
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.logprobs, raw[torch.arange(rows), out.token_ids], atol=1e-6)
+    assert masked_s.state.token_bitmask is None  # the masks belong to that step only
+
+
+def test_processed_logprobs_are_taken_after_the_mask():
+    vocab = 300
+    params = [SamplingParams(temperature=1.0, seed=3, logprobs=2,
+                             logprobs_mode="processed_logprobs")]
+    logits = random_logits(1, vocab, 4)
+    allowed = np.zeros((1, vocab), dtype=bool)
+    allowed[0, [5, 17, 200]] = True
+    s = _sampler(params, vocab)
+    mask = StepBitmask.build(pack(allowed), np.array([0]), 1, torch.device("cpu"))
+    out = s.sample(logits.clone(), [0], token_bitmask=mask)
+    kept = logits[0, [5, 17, 200]]
+    want = torch.log_softmax(kept, dim=-1)
+    tok = out.token_ids[0].item()
+    assert tok in (5, 17, 200)
+    assert out.logprobs[0].item() == pytest.approx(want[[5, 17, 200].index(tok)].item(),
+                                                   abs=1e-6)
+    assert set(out.topk_ids[0].tolist()) <= {5, 17, 200}
+
+
+def test_a_bitmask_of_the_wrong_shape_is_refused():
+    s = _sampler([SamplingParams(seed=1)], 100)
+    bad = StepBitmask(torch.zeros(1, 3, dtype=torch.int32), torch.tensor([0]),
+                      torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"token_bitmask\.bits"):
+        s.sample(torch.zeros(1, 100), [0], token_bitmask=bad)
