@@ -6,7 +6,8 @@ given at construction (decided on the host, no device sync). On a step that runs
 
 - steps 2–6 (grammar masks, allowed ids, bad words, min_tokens, logit bias, penalties) run
   only when the plan needs them, on our ops (the Triton processing kernel on CUDA when Triton
-  is there, else the torch ops; grammar masks on the torch op), into a float32 working copy;
+  is there, with :mod:`sampler.kernels.token_bitmask` for the grammar masks; else the torch
+  ops), into a float32 working copy;
 - greedy rows: argmax of those logits (step 7; ties to the lowest id);
 - random rows: ``flashinfer.sampling.softmax`` with the per-row temperature (step 8), min-p
   on the probabilities (step 9: ``p_t < min_p * p_max`` is ``logit_t < max + ln(min_p)``),
@@ -33,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from sampler.ops import apply_token_bitmask, compute_logprob_outputs
+from sampler.ops import compute_logprob_outputs
 from sampler.output import SamplerOutput
 from sampler.pipeline import (
     PROCESSED_LOGITS,
@@ -212,7 +213,10 @@ class FlashInferPipeline:
             from sampler.kernels.process import apply_processing
 
             if plan.do_grammar:  # the processing kernel does not read grammar masks
-                apply_token_bitmask(x, state.token_bitmask.bits, state.token_bitmask.rows)
+                from sampler.kernels.token_bitmask import apply_token_bitmask_triton
+
+                mask = state.token_bitmask
+                apply_token_bitmask_triton(x, mask.bits, mask.rows)
                 plan = replace(plan, do_grammar=False)
             apply_processing(x, idx, state, plan)
             return x

@@ -111,3 +111,21 @@ def test_a_bitmask_of_the_wrong_shape_is_refused():
                       torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"token_bitmask\.bits"):
         s.sample(torch.zeros(1, 100), [0], token_bitmask=bad)
+
+
+@pytest.mark.parametrize("rows,vocab,block", [(1, 31, 64), (7, 111, 64), (5, 1000, 256),
+                                              (3, 4133, 1024)])
+def test_triton_bitmask_kernel_matches_torch(rows, vocab, block):
+    from sampler.kernels.token_bitmask import apply_token_bitmask_triton
+
+    logits = random_logits(rows, vocab, 5)
+    mask_rows = torch.tensor([r for r in range(rows) if r % 3 != 1], dtype=torch.int64)
+    bits = pack(random_allowed(len(mask_rows), vocab, vocab))
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask(want, bits, mask_rows)
+    apply_token_bitmask_triton(got, bits, mask_rows, block=block)
+    assert torch.equal(got, want)
+    # a strided vocab slice of a padded tensor: the padding is never written
+    padded = torch.cat([logits, torch.full((rows, 13), 7.0)], dim=1)
+    apply_token_bitmask_triton(padded[:, :vocab], bits, mask_rows, block=block)
+    assert torch.equal(padded[:, :vocab], want) and (padded[:, vocab:] == 7.0).all()
