@@ -66,3 +66,14 @@ def test_bad_prompt_is_an_error_row_and_bad_options_raise(tiny_llama):
         generate(["x"], model=tiny_llama, max_seqs=3)
     with pytest.raises(ValueError, match="1 entries for 2 prompts"):
         generate(["a", "b"], [None], model=tiny_llama, **OPTIONS)
+
+
+def test_structured_outputs(tiny_llama):
+    from toolkit import StructuredOutputsParams
+
+    so = StructuredOutputsParams(choice=["left", "right"])
+    params = [SamplingParams(max_tokens=20, seed=1, structured_outputs=so),
+              {"max_tokens": 20, "seed": 2, "structured_outputs": {"regex": "[ab]{4}"}}]
+    outs = generate(["Go", "Go"], params, model=tiny_llama, **OPTIONS)
+    assert outs[0].output_text in ("left", "right") and outs[0].finish_reason == "stop"
+    assert len(outs[1].output_text) == 4 and set(outs[1].output_text) <= {"a", "b"}
