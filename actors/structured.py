@@ -16,6 +16,7 @@ blocking. Library choice and measurements: docs/structured_outputs.md.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
@@ -81,17 +82,21 @@ class StructuredOutputs:
         eos_token_ids: the ids that end a text where the grammar may end.
         device: where the sampler runs.
         max_num_seqs: the most rows a step samples.
-        num_threads: compile threads and mask-filling threads.
+        num_threads: compile threads.
+        fill_threads: threads of the parallel mask fill (default: half the host's cores,
+            2 to 8).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
-                 device: torch.device, max_num_seqs: int, num_threads: int = 2) -> None:
+                 device: torch.device, max_num_seqs: int, num_threads: int = 2,
+                 fill_threads: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.num_threads = max(1, num_threads)
+        self.fill_threads = fill_threads or max(2, min(8, (os.cpu_count() or 2) // 2))
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
         self._pool: ThreadPoolExecutor | None = None
@@ -143,6 +148,7 @@ class StructuredOutputs:
                 return CompiledConstraint(error=f"{field}: {matcher.get_error()[:500]}")
             return CompiledConstraint(template=matcher)
         except Exception as exc:  # noqa: BLE001 - any failure is this constraint's error
+            logger.debug("constraint %s failed to compile", so.key[:200], exc_info=True)
             return CompiledConstraint(error=f"{field}: {type(exc).__name__}: {exc}"[:600])
 
     @staticmethod
@@ -204,7 +210,7 @@ class StructuredOutputs:
         import llguidance.torch
 
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(self.num_threads)
+            self._executor = llguidance.LLExecutor(self.fill_threads)
         llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, buf)
 
     def _buffer(self, rows: int) -> torch.Tensor:

@@ -64,14 +64,16 @@ def json_options(so: StructuredOutputsParams) -> dict[str, Any]:
 
 # any JSON object (RFC 8259), with numbers that stay finite as IEEE doubles (at most 16
 # integer digits, a two-digit exponent) and no escape that decodes to a lone surrogate
-_JSON_OBJECT = r'''start: object
-?value: object | array | STRING | NUMBER | "true" | "false" | "null"
-object: "{" [pair ("," pair)*] "}"
-pair: STRING ":" value
-array: "[" [value ("," value)*] "]"
-STRING: /"(\\(["\\\/bfnrt]|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))|[^"\\\x00-\x1F])*"/
-NUMBER: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?/
-'''
+_ESCAPE = r'\\(["\\\/bfnrt]|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+_JSON_OBJECT = "\n".join([
+    "start: object",
+    '?value: object | array | STRING | NUMBER | "true" | "false" | "null"',
+    'object: "{" [pair ("," pair)*] "}"',
+    'pair: STRING ":" value',
+    'array: "[" [value ("," value)*] "]"',
+    "STRING: /\"(" + _ESCAPE + r'|[^"\\\x00-\x1F])*"/',
+    r"NUMBER: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?/",
+]) + "\n"
 
 
 def json_object_lark(so: StructuredOutputsParams) -> str:

@@ -4,6 +4,7 @@ only the constraint makes the output valid)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -188,13 +189,38 @@ def test_prefix_caching_unaffected(tiny_llama):
 
 
 def test_compiles_once_per_distinct_constraint_and_compiling_rows_wait(llama_engine):
-    """Equal constraints share one compile; a row whose constraint compiles does not hold
-    up the unconstrained rows queued behind it."""
+    """Equal constraints share one compile; a row whose constraint is still compiling is
+    passed over by the scheduler: the rows queued behind it run and finish meanwhile."""
+    import threading
+
     structured = llama_engine.structured
     so = {"regex": r"[a-c]{3,5}x"}
     a = structured.submit(SamplingParams(structured_outputs=so).structured_outputs)
     b = structured.submit(SamplingParams(structured_outputs=dict(so)).structured_outputs)
-    assert a is b
-    outs = llama_engine.generate([("slow", "Hi", _params({"regex": r"\w{2}\s\W\d"}, seed=1)),
-                                  ("fast", "Hi", SamplingParams(max_tokens=3, seed=2))])
-    assert outs[1].num_output_tokens == 3
+    assert a is b and a.result().error is None
+
+    release = threading.Event()
+    compile_now = structured._compile
+
+    def slow_compile(constraint):
+        release.wait(timeout=60)
+        return compile_now(constraint)
+
+    structured._compile = slow_compile
+    try:
+        llama_engine.add_request("slow", "Hi", _params({"regex": r"q[0-9]{2}z"}, seed=1))
+        llama_engine.add_request("fast", "Hi", SamplingParams(max_tokens=3, seed=2))
+        done = []
+        while not done:
+            done += [o for o in llama_engine.step() if o.id == "fast"]
+        assert done[0].num_output_tokens == 3
+        slow = llama_engine._requests["slow"].sequences[0]
+        assert slow in llama_engine.scheduler.waiting and slow.slot == -1
+    finally:
+        structured._compile = compile_now
+        release.set()
+    outs = []
+    while llama_engine.has_unfinished_requests():
+        outs += llama_engine.step()
+    (out,) = [o for o in outs if o.id == "slow"]
+    assert out.finish_reason == "stop" and re.fullmatch(r"q[0-9]{2}z", out.output_text)
