@@ -208,6 +208,8 @@ class Engine:
         constraint = request.params.structured_outputs
         if constraint is not None:  # compiled off this thread; admitted once it is done
             request.grammar = self.structured.submit(constraint)
+            if request.params.min_tokens:  # the grammar alone decides where the text may end
+                request.params = request.params.replace(min_tokens=0)
             self._compiling.append(request)
         self.scheduler.add(seq)
 

@@ -224,3 +224,10 @@ def test_compiles_once_per_distinct_constraint_and_compiling_rows_wait(llama_eng
         outs += llama_engine.step()
     (out,) = [o for o in outs if o.id == "slow"]
     assert out.finish_reason == "stop" and re.fullmatch(r"q[0-9]{2}z", out.output_text)
+
+
+def test_min_tokens_does_not_apply_to_constrained_rows(llama_engine):
+    outs = llama_engine.generate([(i, "Hi", _params({"choice": ["ok", "no"]}, seed=i,
+                                                    min_tokens=10)) for i in range(3)])
+    for out in outs:
+        assert out.finish_reason == "stop" and out.output_text in ("ok", "no")
