@@ -6,8 +6,7 @@ given at construction (decided on the host, no device sync). On a step that runs
 
 - steps 2–6 (grammar masks, allowed ids, bad words, min_tokens, logit bias, penalties) run
   only when the plan needs them, on our ops (the Triton processing kernel on CUDA when Triton
-  is there, with :mod:`sampler.kernels.token_bitmask` for the grammar masks; else the torch
-  ops), into a float32 working copy;
+  is there, else the torch ops), into a float32 working copy;
 - greedy rows: argmax of those logits (step 7; ties to the lowest id);
 - random rows: ``flashinfer.sampling.softmax`` with the per-row temperature (step 8), min-p
   on the probabilities (step 9: ``p_t < min_p * p_max`` is ``logit_t < max + ln(min_p)``),
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -212,12 +210,6 @@ class FlashInferPipeline:
         if self._triton_processing:
             from sampler.kernels.process import apply_processing
 
-            if plan.do_grammar:  # the processing kernel does not read grammar masks
-                from sampler.kernels.token_bitmask import apply_token_bitmask_triton
-
-                mask = state.token_bitmask
-                apply_token_bitmask_triton(x, mask.bits, mask.rows)
-                plan = replace(plan, do_grammar=False)
             apply_processing(x, idx, state, plan)
             return x
         apply_masks_and_penalties(x, idx, state, plan)

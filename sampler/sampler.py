@@ -205,16 +205,6 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, idx: torch.Tensor, rows_host: np.ndarray | None,
                 plan) -> SamplerOutput:
-        if self.backend == "triton" and plan.do_grammar:
-            # the Triton kernels do not read grammar masks: the step runs on the torch path,
-            # recorded as the Triton backend records its fallback steps
-            from sampler.kernels.record import record_sampled_triton
-            from sampler.pipeline import run_pipeline
-
-            out = run_pipeline(logits, idx, self.state, plan, inplace=True,
-                               precision=self.noise_precision)
-            record_sampled_triton(self.state, idx, out.token_ids, rows_host)
-            return out
         if self.backend == "triton":  # recorded by the step's kernels (no torch ops)
             return self._run(logits, idx, self.state, plan, inplace=True,
                              precision=self.noise_precision, record_rows=(rows_host,))

@@ -28,7 +28,8 @@ and top-p prefix sum), so a row gets the fused kernel's token; the log-sum-exps 
 chunk order, so logprobs may differ from the fused kernel's in the last bits (and the top-p
 mass of a draw-then-verify row too, which could flip a decision within float rounding of p).
 Rows this path does not settle (more candidates than the list holds, a draw still undecided
-after the last round) are flagged, and the fused kernel, launched after it with those flags, runs them alone. Which path a row takes depends
+after the last round) are flagged, and the fused kernel, launched after it with those flags,
+runs them alone. Which path a row takes depends
 on the row alone (its parameters and logits), never on its batch-mates.
 """
 
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from sampler.kernels.token_bitmask import _mask_row
 
 from sampler.kernels.fused import (_append, _best, _gumbel_max_of, _kth_largest, _load_tile,
                                    _lse, _mode_value, _read_cands, _scan, _tile_of,
@@ -121,10 +124,11 @@ def _chunk_gather_kernel(
     logits_ptr, stride_row, V, W,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
-    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr, gbits_ptr, grow_ptr, GW,
     rec_ptr, cand_ptr, counter_ptr, CHUNK,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_RANDOM: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+    ANY_RANDOM: tl.constexpr,
     ANY_RK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, CAP: tl.constexpr,
 ):
     """Step 3, grid rows x chunks."""
@@ -143,6 +147,7 @@ def _chunk_gather_kernel(
         return
     T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
         fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     rec = rec_ptr + row * REC_WIDTH
     floor = tl.maximum(tl.load(rec + REC_THR), tl.load(rec + REC_T_K))
     t_r = tl.load(rec + REC_T_R)
@@ -158,7 +163,8 @@ def _chunk_gather_kernel(
             _load_tile(base, start, hi, R, VEC), start, row, slot, V, W, hi, pbits_ptr,
             pmask_ptr, counts_ptr, rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr,
             NBIAS, stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if ANY_RANDOM:
             if sel_on:
                 s = tl.math.div_rn(x, T)
@@ -302,10 +308,11 @@ def _chunk_draw_kernel(
     logits_ptr, stride_row, V, W,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
-    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr, gbits_ptr, grow_ptr, GW,
     rec_ptr, draw_ptr, draw_i_ptr, dpart_ptr, dpart_i_ptr, NCHUNK, CHUNK,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, FIRST: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+    FIRST: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):
     """One draw-then-verify pass over a chunk (grid rows x chunks) for the random rows
@@ -323,6 +330,7 @@ def _chunk_draw_kernel(
     slot = tl.load(idx_ptr + row)
     T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
         fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     seed = tl.load(iparams_ptr + slot * stride_i + 0)
     sidx = tl.load(iparams_ptr + slot * stride_i + 1)
     pos = tl.load(positions_ptr + slot)
@@ -340,8 +348,8 @@ def _chunk_draw_kernel(
         V, W, T, thr, m_s, s_x, s_x, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
         DRAW=True, COUNT=True, MASS=True, TOTAL=False)
     out = dpart_ptr + (row * NCHUNK + c) * 4
     tl.store(out + 0, best)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sampler.kernels.token_bitmask import _mask_row
+
 from sampler.kernels.noise import (LANE0, LANE1, _gumbel, _gumbel_bits, _gumbel_of_bits,
                                    _gumbel_upper, _row_key)
 from sampler.kernels.process import _processed, _row_processing
@@ -87,9 +89,10 @@ def _tile_of(
     loaded, start, row, slot, V, W, lim,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
 ):
     """One ``[R, VEC]`` tile of ``[start, lim)`` from its loaded raw logits: (offsets, mask,
     raw fp32, processed fp32 before T). ``V`` is the vocab size (the row stride of the
@@ -100,8 +103,8 @@ def _tile_of(
     vmask, x = _processed_at(
         raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
         row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     return offs, vmask, raw, x
 
 
@@ -110,9 +113,9 @@ def _processed_at(
     raw, offs, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
 ):
     """(mask ``offs < lim``, processed values, -inf past ``lim``) of raw fp32 logits at
     ``offs`` that already hold -inf past ``lim``."""
@@ -121,10 +124,10 @@ def _processed_at(
         raw, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
     )
-    if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED:
+    if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED | HAS_GRAMMAR:
         x = tl.where(vmask, x, float("-inf"))
     return vmask, x
 
@@ -180,9 +183,10 @@ def _stats_range(
     base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, STAGES: tl.constexpr = 1,
     DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0, PREFETCH: tl.constexpr = 1,
 ):
@@ -214,8 +218,8 @@ def _stats_range(
         offs, vmask, raw, x = _tile_of(
             cur, start, row, slot, V, W, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
             pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if greedy | (not ANY_RANDOM):  # the index is found after the loop
             tv = tl.max(x, 1)
             upd = tv > acc_bv
@@ -238,8 +242,8 @@ def _stats_range(
         acc_bi = _lane_argmax(
             base, best_tile, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
             rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, KEPT=KEEP)
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, KEPT=KEEP)
     else:
         acc_bi = acc_bs
         acc_ms = tl.math.div_rn(acc_ms, T)
@@ -251,9 +255,10 @@ def _lane_argmax(
     base, kept, tile_start, best, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     KEPT: tl.constexpr,
 ):
     """Each lane's greedy index: the lowest one of the lane's ``VEC`` tokens in the tile at
@@ -271,8 +276,8 @@ def _lane_argmax(
     _m, x = _processed_at(
         raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
         row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     j = tl.min(tl.where(x == best[:, None], col[None, :], VEC - 1), 1)
     return tile_start + lane * VEC + j
 
@@ -448,9 +453,10 @@ def _scan(
     base, lo, hi, row, slot, V, W, T, thr, m_s, s_x, floor, k0, k1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     DRAW: tl.constexpr, COUNT: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr,
     SKIP: tl.constexpr = True, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
@@ -476,8 +482,8 @@ def _scan(
         offs, vmask, raw, x = _tile_of(
             cur, start, row, slot, V, W, hi, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if DRAW & SKIP & (not COUNT):  # a draw alone: divide only where it may win
             acc_sv, acc_si, acc_ss, best = _draw_tile_lazy(
                 x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
@@ -509,9 +515,10 @@ def _draw_then_verify(
     base, row, slot, V, W, T, thr, m_s, top_k, top_p, k_on, p_on, k0, k1, have1, tok1, s_x1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ROUNDS: tl.constexpr, STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
     """Top-k / top-p by drawing first: the Gumbel-max draw ``x`` over the min-p survivors,
@@ -536,16 +543,16 @@ def _draw_then_verify(
             base, 0, V, row, slot, V, W, T, thr, m_s, NEG, NEG, k0, k1,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
             DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
             PREFETCH=PREFETCH)
     _t, _s, n_gt, m_gt, n_valid, z, _b = _scan(
         base, 0, V, row, slot, V, W, T, thr, m_s, s_x, NEG, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
         DRAW=False, COUNT=True, MASS=True, TOTAL=True, STAGES=STAGES,
         PREFETCH=PREFETCH)
     known_z = (not k_on) | (n_valid <= top_k)
@@ -555,8 +562,8 @@ def _draw_then_verify(
             base, 0, V, row, slot, V, W, T, thr, m_s, NEG, s_x, k0, k1,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
             DRAW=True, COUNT=False, MASS=False, TOTAL=False, STAGES=STAGES,
             PREFETCH=PREFETCH)
         rounds = 0
@@ -565,8 +572,8 @@ def _draw_then_verify(
                 base, 0, V, row, slot, V, W, T, thr, m_s, s_x, s_x, k0, k1,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-                ban_ptr, NBAN, allowed_ptr, row_allowed,
-                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+                ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
                 DRAW=True, COUNT=True, MASS=True, TOTAL=False, STAGES=STAGES,
                 PREFETCH=PREFETCH)
             ok = (s_x > NEG) & _in_kept(n_gt, m_gt, z, top_k, top_p, k_on, p_on)
@@ -592,11 +599,11 @@ def _fused_sampler_kernel(
     bias_ids_ptr, bias_vals_ptr, NBIAS,
     stop_ids_ptr, NSTOP,
     ban_ptr, NBAN,
-    allowed_ptr,
+    allowed_ptr, gbits_ptr, grow_ptr, GW,
     cand_ptr, counter_ptr, part_ptr, part_i_ptr, NCHUNK,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
@@ -627,6 +634,7 @@ def _fused_sampler_kernel(
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
     greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
     row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     pos = tl.load(positions_ptr + slot)
     row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     min_tok_active = pos < min_tokens
@@ -671,8 +679,9 @@ def _fused_sampler_kernel(
             base, 0, V, row, slot, V, W, T, greedy, lp_on, mode,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, ANY_LP,
+            ANY_RANDOM,
             STAGES=STAGES, DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH)
         if DRAW1:
             d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
@@ -693,8 +702,8 @@ def _fused_sampler_kernel(
                 d_tok, d_sx,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-                ban_ptr, NBAN, allowed_ptr, row_allowed,
-                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
+                ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, ROUNDS=6,
                 STAGES=STAGES, PREFETCH=PREFETCH)
 
     # ---------------------------------------------------------------- selection state machines
@@ -763,8 +772,9 @@ def _fused_sampler_kernel(
                 offs, vmask, raw, x = _tile_of(
                     cur, start, row, slot, V, W, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
                     freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-                    NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                    NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow,
+                    GW,
+                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
                 if p_phase < 4:
                     s = tl.math.div_rn(x, T)
                     valid = (s >= p_floor) & (s > NEG)
@@ -927,8 +937,8 @@ def _fused_sampler_kernel(
                     base, 0, V, row, slot, V, W, T, v_star, m_s, NEG, NEG, k0, k1,
                     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-                    ban_ptr, NBAN, allowed_ptr, row_allowed,
-                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+                    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
                     DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP, STAGES=STAGES,
                     PREFETCH=PREFETCH)
     tl.store(tok_ptr + row, tok.to(tl.int64))
@@ -978,10 +988,11 @@ def _stats_kernel(
     logits_ptr, stride_row, V, W,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
-    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr, gbits_ptr, grow_ptr, GW,
     part_ptr, part_i_ptr, NCHUNK, CHUNK, lanes_ptr, KM,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+    ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr = 1, PREFETCH: tl.constexpr = 1,
 ):
@@ -998,6 +1009,7 @@ def _stats_kernel(
     base = logits_ptr + row.to(tl.int64) * stride_row
     T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
         fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     nlp = tl.load(iparams_ptr + slot * stride_i + 4)
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
     greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
@@ -1009,8 +1021,8 @@ def _stats_kernel(
         base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, ANY_LP, ANY_RANDOM,
         STAGES=STAGES, PREFETCH=PREFETCH)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)

@@ -130,6 +130,9 @@ class KernelTables:
     bans: torch.Tensor
     nban: int
     allowed: torch.Tensor
+    gbits: torch.Tensor  # the step's grammar masks [num_masked, gw] int32
+    grow: torch.Tensor  # [rows] int32, each row's mask (-1: none)
+    gw: int
 
 
 def compute_bad_word_bans(idx_mapping: torch.Tensor, state) -> torch.Tensor:
@@ -180,11 +183,18 @@ def kernel_tables(state, plan: StepPlan, idx_mapping: torch.Tensor,
     if not plan.do_bad_words:
         bans = i64
     allowed = state.allowed_mask.view(torch.uint8) if plan.do_allowed else pmask
+    if plan.do_grammar:
+        mask = state.token_bitmask
+        gbits, grow, gw = mask.bits, mask.row_map, mask.bits.shape[1]
+    else:
+        gbits = grow = placeholder(dev, torch.int32)
+        gw = 1
     return KernelTables(
         W=(state.vocab_size + 31) // 32, pbits=pbits, pmask=pmask, counts=counts,
         bias_ids=state.bias_ids, bias_vals=state.bias_values, nbias=state.bias_ids.shape[1],
         stop_ids=state.stop_ids, nstop=state.stop_ids.shape[1],
         bans=bans, nban=bans.shape[1] if plan.do_bad_words else 0, allowed=allowed,
+        gbits=gbits, grow=grow, gw=gw,
     )
 
 
@@ -280,10 +290,11 @@ def run_pipeline_triton(
     t = kernel_tables(state, plan, idx_mapping, bans)
     flags = dict(HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias,
                  HAS_STOP=plan.do_min_tokens, HAS_BAN=plan.do_bad_words,
-                 HAS_ALLOWED=plan.do_allowed, ANY_LP=plan.any_logprobs,
+                 HAS_ALLOWED=plan.do_allowed, HAS_GRAMMAR=plan.do_grammar,
+                 ANY_LP=plan.any_logprobs,
                  ANY_RANDOM=plan.any_random)
     tables = (t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
-              t.bans, t.nban, t.allowed)
+              t.bans, t.nban, t.allowed, t.gbits, t.grow, t.gw)
     head = (logits, logits.stride(0), vocab, t.W, idx_mapping, state.fparams,
             state.fparams.stride(0), state.iparams, state.iparams.stride(0), state.positions)
     nchunk = 1
@@ -401,7 +412,7 @@ def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
     may be eligible for it, and the step is not all-greedy without top logprobs (the greedy
     split's kernels are faster there)."""
     greedy_split = cfg.greedy_split and not plan.any_random and plan.max_num_logprobs == 0
-    return (cfg.cand and not cfg.chunked and not greedy_split
+    return (cfg.cand and not cfg.chunked and not greedy_split and not plan.do_grammar
             and plan.min_select_k <= cfg.cand_kmax)
 
 
@@ -527,7 +538,8 @@ def _run_chunked(cfg: LaunchConfig, head, tables, flags, plan: StepPlan, k: int,
                                   NCP2=triton.next_power_of_2(nchunk),
                                   NL=triton.next_power_of_2(nchunk * km), **small)
     any_rk = k > 0
-    masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN", "HAS_ALLOWED")}
+    masks = {f: flags[f] for f in ("HAS_PEN", "HAS_BIAS", "HAS_STOP", "HAS_BAN", "HAS_ALLOWED",
+                                   "HAS_GRAMMAR")}
     if plan.any_random or any_rk:
         _chunk_gather_kernel[(rows, nchunk)](
             *head, *tables, rec, cand, counters, chunk, **masks, ANY_RANDOM=plan.any_random,

@@ -28,6 +28,15 @@ def _bitmask_tile(x, offs, vmask, bits_ptr, mrow, W):
 
 
 @triton.jit
+def _mask_row(grow_ptr, row, HAS_GRAMMAR: tl.constexpr):
+    """The mask index of logits ``row`` (``grow_ptr``: ``[rows]`` int32), -1 without masks."""
+    mrow = -1
+    if HAS_GRAMMAR:
+        mrow = tl.load(grow_ptr + row)
+    return mrow
+
+
+@triton.jit
 def _apply_token_bitmask_kernel(logits_ptr, stride_row, V, bits_ptr, W, rows_ptr,
                                 BLOCK: tl.constexpr):
     j = tl.program_id(0)  # mask index

@@ -137,9 +137,16 @@ MIXES = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top
 
 
 @pytest.mark.parametrize("vocab", [111, 2000])
-def test_triton_backend_with_masks_equals_torch(vocab):
-    """Masked and unmasked rows of every sampling kind: the Triton backend draws the tokens
-    the torch path draws (counter-based noise), with the same raw logprobs."""
+def test_triton_backend_with_masks_equals_torch(vocab, monkeypatch):
+    """Masked and unmasked rows of every sampling kind: the Triton kernels (not the torch
+    fallback) draw the tokens the torch path draws (counter-based noise), with the same raw
+    logprobs."""
+    import sampler.kernels.pipeline as kp
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the Triton backend fell back to the torch path")
+
+    monkeypatch.setattr(kp, "run_pipeline", no_fallback)
     rows = 2 * len(MIXES)
     params = [SamplingParams(seed=40 + r, **MIXES[r % len(MIXES)]) for r in range(rows)]
     logits = random_logits(rows, vocab, 6)
