@@ -189,3 +189,18 @@ def test_gpu_backends_respect_masks_on_bf16_logits(backend):
         assert allowed[j, outs[backend][r].item()]
     if backend == "triton":
         assert torch.equal(outs["torch"], outs["triton"])
+
+
+def test_triton_all_greedy_step_with_masks_equals_torch():
+    """An all-greedy step (the greedy split's kernels on the Triton backend)."""
+    vocab, rows = 333, 5
+    params = [SamplingParams(temperature=0.0, seed=r) for r in range(rows)]
+    logits = random_logits(rows, vocab, 9)
+    mask_rows = np.array([0, 3, 4])
+    allowed = random_allowed(len(mask_rows), vocab, 8, density=0.1)
+    want = logits.clone()
+    apply_token_bitmask(want, pack(allowed), torch.from_numpy(mask_rows))
+    s = _sampler(params, vocab, "triton")
+    mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
+    out = s.sample(logits.clone(), list(range(rows)), token_bitmask=mask)
+    assert out.token_ids.tolist() == want.argmax(dim=-1).tolist()
