@@ -11,12 +11,26 @@ import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
-from actors.config import EngineConfig
-from actors.outputs import GenerationOutput
+from actors.engine.engine_config import EngineConfig
+from actors.engine.generation_output import GenerationOutput
 
 logger = logging.getLogger(__name__)
 
 Prompt = Any  # str | list[int] | list[dict] (chat messages)
+
+
+# Shard threads read rows and build part files (Python work) while the server's loop thread
+# drives the engine. A thread waiting for the GIL gets it only after the holder's switch
+# interval (5 ms by default): each time the loop blocks on the device it could lose ~a decode
+# step's worth of time to a shard thread. 0.5 ms keeps the loop ahead of the GPU. The interval
+# is process-wide, so it is set once, when an actor's process starts, never in a caller's.
+SWITCH_INTERVAL_S = 0.0005
+
+
+def shorten_switch_interval() -> None:
+    """Sets the process's GIL switch interval to ``SWITCH_INTERVAL_S`` unless already shorter."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 class GenerationActor:
@@ -37,8 +51,11 @@ class GenerationActor:
     def __init__(self, model: str, engine_config: EngineConfig | Mapping[str, Any] | None = None,
                  *, first_shard: Any = None):
         started = time.perf_counter()
-        bytecode = cache_bytecode() if _in_ray_actor() else None
-        from actors.engine import Engine
+        bytecode = None
+        if _in_ray_actor():
+            bytecode = cache_bytecode()
+            shorten_switch_interval()
+        from actors.engine.llm_engine import Engine
         from actors.shard import ShardPrefetch, warm_up_io
 
         imported = time.perf_counter()
@@ -100,12 +117,12 @@ class GenerationActor:
                        ids: Sequence[Any], *, logprob_columns: Sequence[str] = (),
                        id_type: Any = None) -> Any:
         """Generates for ``prompts`` (one params per prompt, prepared by
-        ``actors.rollout.prepare_params``) and returns a ``pyarrow.Table`` with the job output
+        ``actors.rollout_table.prepare_params``) and returns a ``pyarrow.Table`` with the job output
         columns (``id`` from ``ids``, of ``id_type``) plus ``logprob_columns``
-        (``actors.rollout.LOGPROB_COLUMNS``), one row per (prompt, sample) in prompt order."""
+        (``actors.rollout_table.LOGPROB_COLUMNS``), one row per (prompt, sample) in prompt order."""
         import pyarrow as pa
 
-        from actors.rollout import canonical_columns, rollout_table
+        from actors.rollout_table import canonical_columns, rollout_table
 
         columns = canonical_columns(logprob_columns)
         token_logprobs = bool({"raw_logprobs", "temperature_logprobs"} & set(columns))

@@ -9,103 +9,17 @@ position in its file when the id itself is unusable) and names the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
-from actors import jsonl
+from actors.contract.shard_io import ErrorOutput, row_message
 from sampler.params import SamplingParams
 
 if TYPE_CHECKING:
-    from actors.task import ShardTask
+    from actors.contract.task import ShardTask
 
 Request = tuple[str, Any, SamplingParams]
-
-
-@dataclass(slots=True)
-class ErrorOutput:
-    """An output row for a request that never ran (the schema's attributes, finish "error")."""
-
-    error: str
-    seed: int | None = None
-    sample_index: int = 0
-    output_text: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = "error"
-    stop_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
-    sampled_ranks: list[int] | None = None
-    prompt_logprobs: list[float] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-def read_rows(task: ShardTask) -> pa.Table:
-    """The shard's input rows ``[row_start, row_stop)`` of its file, every column."""
-    start, stop = task.row_start, task.row_stop
-    if task.input_format == jsonl.FORMAT:
-        table = jsonl.read_range(task.input_fs, task.input_path, task.columns.get("params"),
-                                 start, stop)
-        return _check_count(task, table)
-    dataset = ds.dataset(task.input_path, format=task.input_format, filesystem=task.input_fs)
-    pieces, offset = [], 0
-    if task.input_format == "parquet":
-        fragment = next(iter(dataset.get_fragments()))
-        for group in fragment.split_by_row_group():
-            num = group.row_groups[0].num_rows
-            if offset + num > start and offset < stop:
-                lo = max(start - offset, 0)
-                pieces.append(group.to_table().slice(lo, min(stop, offset + num) - offset - lo))
-            offset += num
-            if offset >= stop:
-                break
-    else:
-        for batch in dataset.to_batches():
-            num = batch.num_rows
-            if offset + num > start and offset < stop:
-                lo = max(start - offset, 0)
-                pieces.append(pa.Table.from_batches([batch.slice(lo, min(stop, offset + num)
-                                                                 - offset - lo)]))
-            offset += num
-            if offset >= stop:
-                break
-    return _check_count(task, pa.concat_tables(pieces) if pieces
-                        else dataset.schema.empty_table())
-
-
-def _check_count(task: ShardTask, table: pa.Table) -> pa.Table:
-    if table.num_rows != task.row_stop - task.row_start:
-        raise ValueError(f"shard {task.shard_id}: {task.input_path} has fewer rows than planned "
-                         f"(wanted rows {task.row_start}..{task.row_stop}); the input changed "
-                         "during the job")
-    return table
-
-
-def row_ids(task: ShardTask, table: pa.Table) -> tuple[pa.Array, list[Any], dict[int, str]]:
-    """The ids for the output column, their Python values, and the rows whose id is unusable
-    (row -> reason; such an id is null in the output and in the values)."""
-    column = task.columns.get("id")
-    if task.id_offset is not None or column is None:
-        base = (task.id_offset or 0) + task.row_start
-        ids = pa.array([str(base + i) for i in range(table.num_rows)], type=pa.string())
-        return ids, ids.to_pylist(), {}
-    ids = table.column(column).combine_chunks().cast(task.schema.field("id").type)
-    try:
-        return ids, ids.to_pylist(), {}
-    except UnicodeDecodeError:  # a string id that is not UTF-8: that row fails, not the shard
-        values, bad = [], {}
-        for i in range(len(ids)):
-            try:
-                values.append(ids[i].as_py())
-            except UnicodeDecodeError:
-                values.append(None)
-                bad[i] = f"id: the {column!r} value is not valid UTF-8"
-        mask = pa.array([i in bad for i in range(len(ids))])
-        return pc.if_else(mask, pa.nulls(len(ids), ids.type), ids), values, bad
 
 
 def _value(table: pa.Table, column: str, i: int, field_name: str) -> Any:
@@ -282,8 +196,3 @@ def _arrow_params(raw: Any) -> Any:
     return raw
 
 
-def row_message(task: ShardTask, row_id: Any, index: int, message: str) -> str:
-    """``row id <id> (shard <n>): <message>``, or the row's position when it has no id."""
-    where = (f"row id {row_id!r}" if row_id is not None
-             else f"row {task.row_start + index} of {task.input_path}")
-    return f"{where} (shard {task.shard_id}): {message}"

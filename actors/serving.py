@@ -18,26 +18,15 @@ none. Two ways to share:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any, Sequence
 
-from actors import profiling
-from actors.profiling import LoopProfile
+from actors.contract.task import EngineFailure
+from actors.engine import profiling
+from actors.engine.profiling import LoopProfile
 
 logger = logging.getLogger(__name__)
-
-# Shard threads read rows and build part files (Python work) while the loop thread drives the
-# engine. A thread waiting for the GIL gets it only after the holder's switch interval (5 ms by
-# default): each time the loop blocks on the device it could lose ~a decode step's worth of
-# time to a shard thread. 0.5 ms keeps the loop ahead of the GPU.
-SWITCH_INTERVAL_S = 0.0005
-
-
-class EngineFailure(RuntimeError):
-    """The engine raised during a step; its state is unknown, so the actor must be replaced."""
-
 
 class _Batch:
     """The requests of one caller and the outputs gathered for them so far."""
@@ -80,8 +69,6 @@ class EngineServer:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._cond = threading.Condition()
         self._incoming: list[_Batch] = []
         self._owner: dict[str, _Batch] = {}
@@ -150,7 +137,7 @@ class EngineServer:
             self._engine.add_requests(batch.requests, fresh_prefix_cache=batch.exclusive)
 
     def _loop(self) -> None:
-        profile = LoopProfile("engine-loop")  # RAYGEN_PROFILE_DIR (actors.profiling)
+        profile = LoopProfile("engine-loop")  # RAYGEN_PROFILE_DIR (actors.engine.profiling)
         profile.start()
         while True:
             try:

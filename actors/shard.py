@@ -1,8 +1,7 @@
-"""One shard of a job inside an actor: read its rows, build requests (``actors.rows``), run
-them, write the part.
+"""One shard of a job inside an actor: read its rows (``actors.contract.shard_io``), build
+requests (``actors.rows``), run them, write the part.
 
-The part file is written under a hidden temporary name (``.part-<shard>-<attempt>.parquet.tmp``)
-and renamed to ``part-<shard>.parquet``; the driver then records the commit. A row that cannot
+A row that cannot
 become a request (bad params, no prompt, null id) and a request the engine rejects both become
 error rows naming the field, the row id and the shard; the shard goes on.
 """
@@ -11,65 +10,30 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actors import profiling
-from actors.rows import ErrorOutput, Request, prepare_requests, read_rows, row_ids, row_message
-from actors.schema import OUTPUT_COLUMNS, build_table, parquet_options
-from actors.task import ShardTask
+from actors.contract.schema import parquet_options
+from actors.contract.shard_io import (
+    ErrorOutput,
+    read_rows,
+    row_ids,
+    row_message,
+    write_failed_shard,
+    write_part,
+)
+from actors.contract.task import PartWriteError, ShardResult, ShardTask
+from actors.engine import profiling
+from actors.rows import Request, prepare_requests
 
 __all__ = ["ErrorOutput", "PartWriteError", "PreparedShard", "ShardPrefetch", "ShardResult",
            "ShardTask", "prepare_requests", "prepare_shard", "process_shard", "read_rows",
            "warm_up_io", "write_failed_shard", "write_part"]
 
 RunRequests = Callable[[Sequence[Request]], Sequence[Any]]
-
-
-class PartWriteError(OSError):
-    """The part file could not be written or renamed (the output storage failed)."""
-
-
-@dataclass(slots=True)
-class ShardResult:
-    """What an actor reports for a written shard (the rows stay in the part file)."""
-
-    shard_id: int
-    attempt: int
-    part: str
-    rows: int
-    output_rows: int
-    errors: int
-    output_tokens: int
-    prompt_tokens: int
-    seconds: float
-    error_messages: list[str] = field(default_factory=list)  # the first few, for logs
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: prepare, generate, write
-    engine: dict[str, float] = field(default_factory=dict)  # EngineServer.run's stats
-
-    def timing(self) -> str:
-        """Where the shard's time went on the actor, for the driver's log: ``prepare 0.08 s,
-        generate 3.67 s (queued 1.80 s; 130 steps of 250 sequences in 1.85 s: 14.2 ms a step,
-        host 6.1 (on a CPU 5.2), waiting for the device 8.1), write 0.44 s``: the steps' mean
-        batch (how full the engine was), host time the stepping thread's wall time outside
-        device waits, "on a CPU" the part of it the thread was running."""
-        parts = []
-        for name, seconds in self.phases.items():
-            text = f"{name} {seconds:.2f} s"
-            if name == "generate" and self.engine.get("steps"):
-                e = self.engine
-                per = 1e3 / e["steps"]
-                cpu = f" (on a CPU {e['cpu_s'] * per:.1f})" if "cpu_s" in e else ""
-                batch = f" of {e['seqs'] / e['steps']:.0f} sequences" if "seqs" in e else ""
-                text += (f" (queued {e['queued_s']:.2f} s; {e['steps']} steps{batch} in "
-                         f"{e['run_s']:.2f} s: {e['run_s'] * per:.1f} ms a step, host "
-                         f"{(e['busy_s'] - e['device_wait_s']) * per:.1f}{cpu}, waiting for "
-                         f"the device {e['device_wait_s'] * per:.1f})")
-            parts.append(text)
-        return ", ".join(parts)
 
 
 class _Relabelled:
@@ -197,40 +161,6 @@ class ShardPrefetch:
         return result
 
 
-def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
-               rows: list[tuple[int, int, Any]], started: float) -> ShardResult:
-    """Builds the part table (rows: (input index, sample index, output)) and commits it."""
-    positions = pa.array([r[0] for r in rows], type=pa.int64())
-    outputs = [r[2] for r in rows]
-    passthrough = table.select([f.name for f in task.schema
-                                if f.name not in OUTPUT_COLUMNS and f.name in table.column_names])
-    part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema)
-    output_dir = task.output_dir.rstrip("/")
-    temp, final = f"{output_dir}/{task.temp_name}", f"{output_dir}/{task.part_name}"
-    try:
-        pq.write_table(part, temp, filesystem=task.output_fs, **parquet_options(task.schema))
-        task.output_fs.move(temp, final)
-    except OSError as exc:
-        try:  # a half-written temporary helps nobody (a rerun would remove it anyway)
-            task.output_fs.delete_file(temp)
-        except OSError:
-            pass
-        raise PartWriteError(f"shard {task.shard_id}: cannot write {final}: {exc}") from exc
-    errors = [o.error for o in outputs if getattr(o, "error", None) is not None]
-    return ShardResult(
-        shard_id=task.shard_id,
-        attempt=task.attempt,
-        part=task.part_name,
-        rows=table.num_rows,
-        output_rows=len(outputs),
-        errors=len(errors),
-        output_tokens=sum(int(o.num_output_tokens or 0) for o in outputs),
-        prompt_tokens=sum(int(o.num_prompt_tokens or 0) for o in outputs),
-        seconds=time.perf_counter() - started,
-        error_messages=errors[:3],
-    )
-
-
 def warm_up_io() -> float:
     """Pays the shard I/O path's one-time costs now (an actor calls it before it reports
     ready), so that its first shard does not: pyarrow's first conversion of Python values
@@ -251,11 +181,3 @@ def warm_up_io() -> float:
     return time.perf_counter() - started
 
 
-def write_failed_shard(task: ShardTask, message: str) -> ShardResult:
-    """Writes every row of the shard as an error row (the shard ran out of attempts)."""
-    started = time.perf_counter()
-    table = read_rows(task)
-    ids, id_values, _ = row_ids(task, table)
-    rows = [(i, 0, ErrorOutput(error=row_message(task, row_id, i, message)))
-            for i, row_id in enumerate(id_values)]
-    return write_part(task, table, ids, rows, started)

@@ -1,6 +1,6 @@
 """Batch dependence of logprobs: a seeded request run alone versus inside a batch of 256.
 
-    python benchmarks/determinism.py --out docs/benchmarks           # GPU: 0.5B-shaped, bf16
+    python benchmarks/determinism.py --out docs/records              # GPU: 0.5B-shaped, bf16
     python benchmarks/determinism.py --workload tiny --out /tmp/det  # CPU smoke test
 
 For each of a few probe requests (seeded sampling, ``raw_logprobs`` and
@@ -84,7 +84,7 @@ def compare(alone, batched) -> dict:
 
 
 def run_setting(path: str, name: str, vocab: int, invariant: bool, args) -> dict:
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     _, batch, *_ = WORKLOADS[name]
     engine = Engine(path, {"dtype": args.dtype, "max_num_seqs": batch,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                         default="qwen2-0.5b" if DEVICE == "cuda" else "tiny")
     parser.add_argument("--dtype", default="bfloat16" if DEVICE == "cuda" else "float32")
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
-    parser.add_argument("--out", default="docs/benchmarks")
+    parser.add_argument("--out", default="docs/records")
     parser.add_argument("--tmp", default=None, help="where the random model is saved")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload][0]

@@ -231,8 +231,8 @@ def frozen_heap():
 
 
 def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
-    from actors.engine import Engine
-    from actors.step_timer import StepTimer
+    from actors.engine.llm_engine import Engine
+    from actors.engine.step_timer import StepTimer
     from sampler import SamplingParams
 
     n, prompt_len = prompts.shape
@@ -255,8 +255,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     # batch of it: each combination of params the steps will see compiles its kernels)
     warm = [p.replace(max_tokens=8) for p in (params if args.mix == "job" else params[:4])]
     engine.generate([(f"w{i}", prompts[i, :16].tolist(), w) for i, w in enumerate(warm)])
-    timer = StepTimer() if DEVICE == "cuda" else None
-    engine.executor.timer = timer
+    timer = StepTimer().attach(engine) if DEVICE == "cuda" else None
     with frozen_heap():
         sync()
         t0 = time.perf_counter()
@@ -272,7 +271,8 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         timing = {**timer.summary(), "num_steps": len(timer.steps),
                   **{f"at_256_{k}": v for k, v in timer.summary(min_batch=256).items()
                      if k != "largest_gaps"}}
-    engine.executor.timer = None
+    if timer is not None:
+        timer.detach()
     info = engine.info()
     extra = {}
     for top_p in args.extra_top_p:  # the same engine, other sampling settings
@@ -285,7 +285,6 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
              "attention_backend": info["attention_backend"],
              "cuda_graphs": info["cuda_graphs"], "fused_layers": info["fused_layers"],
              "sampler_backend": engine.sampler.backend,
-             "sampler_chunked": bool(args.sampler_chunked),
              "num_kv_blocks": info["num_kv_blocks"], "output_tok_s_at_top_p": extra}
     del engine
     return stats
@@ -373,9 +372,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="measure the ceilings and each workload's floors only (no models)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-fused-layers", action="store_true",
-                   help="the model's own RMSNorm / rotary / SiLU code (no actors.kernels)")
-    p.add_argument("--sampler-chunked", action="store_true",
-                   help="the Triton sampler's chunked pipeline (sampler.kernels.chunked)")
+                   help="the model's own RMSNorm / rotary / SiLU code (no actors.engine.model.kernels)")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
     p.add_argument("--mix", choices=("top_p", "job"), default="top_p",
                    help="the engine's sampling params: T + top-p (default), or job_bench's "
@@ -385,9 +382,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "(output tok/s only), e.g. 1.0 for temperature-only sampling")
     p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
     args = p.parse_args(argv)
-    if args.sampler_chunked:
-        from sampler.kernels.pipeline import LaunchConfig, set_launch_config
-        set_launch_config(LaunchConfig(chunked=True))
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     args.extra_top_p = [float(v) for v in args.extra_top_p.split(",") if v]
     out = Path(args.out)

@@ -35,7 +35,7 @@ def _job_row_params():
 def run(mix: str, batch: int, output_len: int, model: str) -> dict[str, float]:
     import torch
 
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
     from sampler import SamplingParams
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ One invocation:
    after a short warm-up, and reports output tok/s;
 3. runs the job the way a user does: ``python -m toolkit.cli run job.yaml`` (the ``raygen``
    console script) in a subprocess that starts its own local Ray on 127.0.0.1, 1 actor with
-   ``num_gpus_per_actor: 1``; checks the output (DESIGN.md's schema, one row per input id,
+   ``num_gpus_per_actor: 1``; checks the output (docs/design.md's schema, one row per input id,
    128 tokens each, logprobs exactly where asked) and reports output tok/s over the
    generation window (first actor ready -> "job finished", timestamped from the log as it
    streams) and end to end (the whole command, Ray start and model load included);
@@ -146,7 +146,7 @@ def write_input(path: Path, rows: int, prompt_len: int, vocab: int) -> None:
 
 
 def expected_schema():
-    """DESIGN.md's output table, with the ``group`` passthrough column."""
+    """docs/design.md's output table, with the ``group`` passthrough column."""
     import pyarrow as pa
 
     top = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
@@ -199,11 +199,12 @@ def bare_stage(args) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from actors.engine import Engine
-    from actors.profiling import LoopProfile
-    from actors.rows import prepare_requests, read_rows, row_ids
+    from actors.engine.llm_engine import Engine
+    from actors.engine.profiling import LoopProfile
+    from actors.contract.shard_io import read_rows, row_ids
+    from actors.rows import prepare_requests
     from jobs.config import JobConfig
-    from jobs.inputs import discover
+    from jobs.sources import discover
     from jobs.plan import Shard, make_task
     from jobs.runner import engine_options
     from jobs.storage import resolve
@@ -255,7 +256,7 @@ def bare_stage(args) -> None:
         elapsed = time.perf_counter() - t0
         spent = engine.counters.since(before)
     profile.dump()
-    from actors import profiling
+    from actors.engine import profiling
 
     if profiling.trace is not None:  # RAYGEN_TRACE_DIR: the bare run's steps, as the actors'
         profiling.span("batch", time.time() - elapsed, len(requests))

@@ -27,9 +27,8 @@ POINTERS = {
     "bias_ids_ptr": "*i64", "bias_vals_ptr": "*fp32", "stop_ids_ptr": "*i64", "ban_ptr": "*i64",
     "allowed_ptr": "*u8", "cand_ptr": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
     "rank_ptr": "*i64", "topk_id_ptr": "*i64", "topk_val_ptr": "*fp32", "thr_ptr": "*fp32",
-    "counter_ptr": "*i32", "part_ptr": "*fp32", "part_i_ptr": "*i32", "lanes_ptr": "*fp32",
-    "rec_ptr": "*fp32", "best_ptr": "*i32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
-    "draw_ptr": "*fp32", "draw_i_ptr": "*i32", "dpart_ptr": "*fp32", "dpart_i_ptr": "*i32",
+    "counter_ptr": "*i32", "part_ptr": "*fp32", "part_i_ptr": "*i32",
+    "rec_ptr": "*fp32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
     "tbits_ptr": "*i32", "lval_ptr": "*fp32", "lid_ptr": "*i32", "tval_ptr": "*fp32",
     "tid_ptr": "*i32", "proc_ptr": "*fp32", "scratch_ptr": "*i32",
     "arrive_ptr": "*i32",
@@ -77,10 +76,11 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
-    from sampler.kernels import candidates, chunked, record
-    from sampler.kernels.fused import _fused_sampler_kernel, _stats_kernel
-    from sampler.kernels.pipeline import (FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig,
-                                          cand_geometry)
+    from sampler.kernels import candidates, rank, record
+    from sampler.kernels.kernel_config import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
+    from sampler.kernels.fused import _fused_sampler_kernel
+    from sampler.kernels.launcher import cand_geometry
+    from sampler.kernels.row_stats import _stats_kernel
 
     cfg = LaunchConfig()
     fused = dict(MASKS, ANY_LP=True, ANY_RANDOM=True, ANY_SEL=True, ANY_MASS=True, ANY_RK=True,
@@ -98,21 +98,9 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
          {**fused, **greedy, "ANY_RK": True}, cfg.num_warps),
         ("fused, greedy", _fused_sampler_kernel, {**fused, **greedy, "ANY_LP": False},
          cfg.num_warps),
-        ("chunked stats, full", _stats_kernel,
-         dict(MASKS, ANY_LP=True, ANY_RANDOM=True, BLOCK=block, VEC=cfg.vec, LANES=True), warps),
-        ("chunked stats, greedy", _stats_kernel,
-         dict(NO_MASKS, ANY_LP=True, ANY_RANDOM=False, BLOCK=block, VEC=cfg.vec, LANES=False),
-         warps),
-        ("chunked bounds", chunked._chunk_bounds_kernel, dict(NCP2=16, NL=1024), warps),
-        ("chunked gather", chunked._chunk_gather_kernel,
-         dict(MASKS, ANY_RANDOM=True, ANY_RK=True, BLOCK=block, VEC=cfg.vec, CAP=cfg.cap), warps),
-        ("chunked draw", chunked._chunk_draw_kernel,
-         dict(MASKS, FIRST=False, BLOCK=block, VEC=cfg.vec), warps),
-        ("chunked draw combine", chunked._chunk_draw_combine_kernel,
-         dict(FIRST=False, LAST=False, NCP2=16), warps),
-        ("chunked finish", chunked._chunk_finish_kernel,
-         dict(ANY_LP=True, ANY_RANDOM=True, ANY_RK=True, CAP=cfg.cap, DRAW=True), warps),
-        ("chunked rank", chunked._chunk_rank_kernel, dict(BLOCK=block), warps),
+        ("greedy split stats", _stats_kernel,
+         dict(NO_MASKS, ANY_LP=True, ANY_RANDOM=False, BLOCK=block, VEC=cfg.vec), warps),
+        ("rank", rank._chunk_rank_kernel, dict(BLOCK=cfg.cand_block), cfg.cand_warps),
         ("candidate stats, full", candidates._cand_stats_kernel,
          dict(cand, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True), cfg.cand_warps),
         ("candidate stats, greedy + logprob", candidates._cand_stats_kernel,
@@ -134,7 +122,7 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, str]]:
-    from sampler.kernels.pipeline import LaunchConfig
+    from sampler.kernels.kernel_config import LaunchConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")

@@ -1,6 +1,6 @@
 """Plots the GPU device time per sampler step from a sampler_bench JSON (needs matplotlib).
 
-    python benchmarks/plot_sampler_bench.py docs/sampler_bench_h200.json docs/sampler_bench_h200.png
+    python benchmarks/plot_sampler_bench.py docs/records/sampler_bench_h200.json docs/records/sampler_bench_h200.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """RL figures: weight-update time, memory freed by sleep(), raw-logprob parity with HF.
 
-    python benchmarks/rl_bench.py --out docs/benchmarks                    # GPU, every mode
+    python benchmarks/rl_bench.py --out docs/records                       # GPU, every mode
     python benchmarks/rl_bench.py --modes update --workloads llama3-8b     # one mode / model
     python benchmarks/rl_bench.py --workloads tiny --transport local --out /tmp/rl  # CPU smoke
 
@@ -77,7 +77,7 @@ def timed(fn, reps: int) -> list[float]:
 
 # ---------------------------------------------------------------------- update
 def bench_update(path: str, model, args) -> dict:
-    from actors.weights import pack_weights
+    from actors.engine.weights import pack_weights
 
     host = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     device_state = dict(model.state_dict())
@@ -100,14 +100,14 @@ def bench_update(path: str, model, args) -> dict:
         out.update(end_to_end_s=statistics.median(e2e), object_store_put_s=put_s,
                    actor_side_s=statistics.median(actor))
     else:
-        from actors.engine import Engine
+        from actors.engine.llm_engine import Engine
 
         engine = Engine(path, engine_options(args.dtype, **SMALL_KV))
         e2e = timed(lambda: engine.update_weights(pack_weights(host.items())), args.reps)
         out.update(end_to_end_s=statistics.median(e2e))
         del engine
         gc.collect()
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     engine = Engine(path, engine_options(args.dtype, **SMALL_KV))  # device-to-device floor
     floor = timed(lambda: engine.update_weights(device_state), args.reps)
@@ -128,7 +128,7 @@ def free_bytes() -> int | None:
 
 
 def bench_sleep(path: str, size: dict, args) -> dict:
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     options = engine_options(args.dtype, max_model_len=2048)
     if DEVICE != "cuda":
@@ -177,7 +177,7 @@ def bench_sleep(path: str, size: dict, args) -> dict:
 def bench_parity(path: str, size: dict, args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     engine = Engine(path, engine_options(args.dtype, **SMALL_KV))
     rng = np.random.default_rng(2)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--transport", choices=("ray", "local"), default="ray")
     parser.add_argument("--dtype", default="bfloat16" if DEVICE == "cuda" else "float32")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default="docs/benchmarks")
+    parser.add_argument("--out", default="docs/records")
     parser.add_argument("--tmp", default=None, help="where the random models are saved")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

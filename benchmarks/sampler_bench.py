@@ -17,7 +17,7 @@ the same logits (top-k 50, top-p 0.9) as a reference column.
 
     python benchmarks/sampler_bench.py --device cpu
     python benchmarks/sampler_bench.py --device cuda --batch-sizes 1,32,256 \
-        --vocab-sizes 32000,151936 --json docs/sampler_bench_h200.json
+        --vocab-sizes 32000,151936 --json docs/records/sampler_bench_h200.json
 
 Backends are columns: each entry of ``BACKENDS`` builds a Sampler for one backend ("flashinfer"
 is our whole pipeline on the FlashInfer backend; its records count the steps that fell back);
@@ -147,56 +147,38 @@ def bench_flashinfer_alone(batch: int, vocab: int, device: torch.device, dtype: 
 
 
 def _triton_variant(name: str) -> None:
-    """``triton@BLOCKxWARPS[xCAP][nfscouwa][pSPLIT][vVEC][gSTAGES][kBxW[xC]][qBxW[xC]][eW]``
-    selects a launch config of the fused kernel (a tuning sweep): n = per-lane bin counts
-    instead of tl.histogram, f = no skipping of empty tiles in the sampling pass, s = the exact
-    selection passes always (no draw-then-verify), c = the chunked pipeline first
-    (``sampler.kernels.chunked``; the fused kernel takes the rows it leaves), o = no greedy
-    split (all-greedy steps without top-k logprobs in the fused kernel alone), u = no prefetch
-    of the next tile in the row-pass loops, w = two tiles ahead, pSPLIT = pass 1 as a separate
-    kernel over vocab chunks of SPLIT tokens, vVEC = tokens per thread and tile row, gSTAGES =
-    row-pass loops software-pipelined STAGES deep, kBxW[xC] = tiles of B tokens and W warps
-    (and vocab chunks of C tokens) for the chunked pipeline's and the greedy split's
-    kernels, a = no candidate path (``sampler.kernels.candidates``: every row in the fused
-    kernel, all-greedy steps on the greedy split), qBxW[xC] = tiles of B tokens and W warps
-    (and vocab chunks of C tokens) for the candidate path's statistics kernel, eW = W warps
-    for its finish kernel."""
+    """``triton@BLOCKxWARPS[xCAP][nfsouwa][vVEC][kBxW[xC]][qBxW[xC]][eW]`` selects a launch
+    config of the kernels (a tuning sweep): n = per-lane bin counts instead of tl.histogram,
+    f = no skipping of empty tiles in the sampling pass, s = the exact selection passes always
+    (no draw-then-verify), o = no greedy split (all-greedy steps without top-k logprobs in the
+    fused kernel alone), u = no prefetch of the next tile in the row-pass loops, w = two tiles
+    ahead, a = no candidate path (``sampler.kernels.candidates``: every row in the fused
+    kernel, all-greedy steps on the greedy split), vVEC = tokens per thread and tile row,
+    kBxW[xC] = tiles of B tokens and W warps (and vocab chunks of C tokens) for the greedy
+    split's kernels, qBxW[xC] = the same for the candidate path's statistics kernel, eW = W
+    warps for its finish kernel."""
     import re
 
     if name.startswith("triton"):
-        from sampler.kernels.pipeline import LaunchConfig, set_launch_config
+        from sampler.kernels.kernel_config import LaunchConfig, set_launch_config
 
         if "@" in name:
             spec = name.split("@")[1]
-            m = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?([nfscouwa]*)(?:p(\d+))?(?:v(\d+))?"
-                             r"(?:g(\d+))?(?:k(\d+)x(\d+)(?:x(\d+))?)?"
-                             r"(?:q(\d+)x(\d+)(?:x(\d+))?)?(?:e(\d+))?", spec)
+            m = re.fullmatch(r"(?P<block>\d+)x(?P<warps>\d+)(?:x(?P<cap>\d+))?(?P<flags>[nfsouwa]*)"
+                             r"(?:v(?P<vec>\d+))?(?:k(?P<kb>\d+)x(?P<kw>\d+)(?:x(?P<kc>\d+))?)?"
+                             r"(?:q(?P<qb>\d+)x(?P<qw>\d+)(?:x(?P<qc>\d+))?)?(?:e(?P<ew>\d+))?",
+                             spec)
             if m is None:
                 raise ValueError(f"--backends: bad triton variant {name!r}")
-            kw = dict(block=int(m[1]), num_warps=int(m[2]), hist="n" not in m[4],
-                      skip="f" not in m[4], fast="s" not in m[4], chunked="c" in m[4],
-                      greedy_split="o" not in m[4], cand="a" not in m[4],
-                      prefetch=0 if "u" in m[4] else 2 if "w" in m[4] else 1)
-            if m[3]:
-                kw["cap"] = int(m[3])
-            if m[5]:
-                kw["split"] = int(m[5])
-            if m[6]:
-                kw["vec"] = int(m[6])
-            if m[7]:
-                kw["stages"] = int(m[7])
-            if m[8]:
-                kw["chunk_block"] = int(m[8])
-                kw["chunk_warps"] = int(m[9])
-            if m[10]:
-                kw["chunk"] = int(m[10])
-            if m[11]:
-                kw["cand_block"] = int(m[11])
-                kw["cand_warps"] = int(m[12])
-            if m[13]:
-                kw["cand_chunk"] = int(m[13])
-            if m[14]:
-                kw["cand_finish_warps"] = int(m[14])
+            flags = m["flags"]
+            kw = dict(block=int(m["block"]), num_warps=int(m["warps"]), hist="n" not in flags,
+                      skip="f" not in flags, fast="s" not in flags,
+                      greedy_split="o" not in flags, cand="a" not in flags,
+                      prefetch=0 if "u" in flags else 2 if "w" in flags else 1)
+            fields = dict(cap="cap", vec="vec", chunk_block="kb", chunk_warps="kw", chunk="kc",
+                          cand_block="qb", cand_warps="qw", cand_chunk="qc",
+                          cand_finish_warps="ew")
+            kw.update({field: int(m[group]) for field, group in fields.items() if m[group]})
             set_launch_config(LaunchConfig(**kw))
         else:
             set_launch_config(None)

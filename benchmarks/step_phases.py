@@ -2,7 +2,7 @@
 
 Builds the Qwen2-0.5B-shaped model (random weights), runs 1,024 prompts of 128 tokens with
 job_bench's per-row params mix through an engine configured as job_bench's actors (1,024
-rows, 32,768-token steps), warmed up, with ``actors.step_timer.StepTimer`` attached, and
+rows, 32,768-token steps), warmed up, with ``actors.engine.step_timer.StepTimer`` attached, and
 prints, for the first steps of the timed run: tokens and rows, the host's milliseconds in
 input preparation, the forward's launch and the sampler's launch, the step's host total and
 its wait for sampled tokens, and the GPU's milliseconds for the forward and the sampler. Then
@@ -22,8 +22,8 @@ e2e = jb.load_e2e()
 path = Path("/tmp/diag_model")
 if not (path / "config.json").exists():
     e2e.build_model(e2e.QWEN2_05B, path)
-from actors.engine import Engine
-from actors.step_timer import StepTimer
+from actors.engine.llm_engine import Engine
+from actors.engine.step_timer import StepTimer
 from sampler import SamplingParams
 engine = Engine(str(path), {"max_num_seqs": 1024, "max_num_batched_tokens": 32768, "max_model_len": 256,
                             "enable_prefix_caching": False, "block_size": 16, "num_kv_blocks": 1024 * 16 + 64})
@@ -36,9 +36,9 @@ def reqs(tag, mt):
         out.append((f"{tag}{i}", rng.integers(100, 151000, 128).tolist(), SamplingParams(**p)))
     return out
 engine.generate(reqs("w", 4)); torch.cuda.synchronize()
-timer = StepTimer(); engine.executor.timer = timer
+timer = StepTimer().attach(engine)
 engine.generate(reqs("a", 8)); torch.cuda.synchronize()
-engine.executor.timer = None
+timer.detach()
 print("step tokens seqs | host: prepare forward sampler total wait | gpu: fwd sampler")
 for s in timer.steps[:12]:
     m = s.host_marks

@@ -86,7 +86,7 @@ def run(engine, prompts: np.ndarray, params: list) -> dict:
 
 
 def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> dict:
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
     from sampler import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -128,7 +128,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
 
 def step_times(engine, args) -> list[dict]:
     """Sampler step time with / without masks, and the host's fill, at each row count."""
-    from actors.sequence import Request, Sequence
+    from actors.engine.sequence import Request, Sequence
     from sampler import Sampler, SamplingParams
 
     vocab = engine.loaded.vocab_size

@@ -1,4 +1,4 @@
-"""Summarises ``RAYGEN_TRACE_DIR`` timelines (``actors.profiling.Trace``): per batch of each
+"""Summarises ``RAYGEN_TRACE_DIR`` timelines (``actors.engine.profiling.Trace``): per batch of each
 process, its decode steps (host, CPU and device-wait milliseconds a step), its prefill steps
 (host seconds in all), how many decode steps ran beside a shard thread's Python work (reading
 the next shard, building requests, writing a part) and the collector's time; then, per

@@ -33,6 +33,14 @@ def connect(address: str | None) -> None:
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
 
 
+def replica_gpus(engine_options: Any, num_gpus_per_actor: float) -> float:
+    """GPUs one actor reserves: ``num_gpus_per_actor`` per tensor-parallel rank. A replica of
+    ``tensor_parallel_size`` ranks is one Ray actor (rank 0, the engine) that starts the other
+    ranks as its child processes, on the GPUs Ray gave it (``docs/tensor_parallel.md``)."""
+    tp = int(dict(engine_options or {}).get("tensor_parallel_size", 1))
+    return num_gpus_per_actor * tp
+
+
 def check_resources(num_actors: int, num_gpus: float) -> None:
     """Fails early when the cluster cannot hold the actor pool at all."""
     import ray

@@ -43,7 +43,7 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
 
 @dataclass(slots=True)
 class JobConfig:
-    """A batch generation job (see DESIGN.md, "JobConfig").
+    """A batch generation job (see docs/design.md, "JobConfig").
 
     Args:
         model: local model directory or hub id (anything ``transformers`` loads).
@@ -55,13 +55,14 @@ class JobConfig:
             column names. A row needs one of the three prompt columns.
         sampling_params: job defaults (vLLM field names); a row's own params override them
             field by field.
-        num_actors: size of the actor pool. num_gpus_per_actor: 0 runs on CPU.
+        num_actors: size of the actor pool (replicas). num_gpus_per_actor: GPUs per rank
+            (``engine.tensor_parallel_size`` ranks per replica); 0 runs on CPU.
         rows_per_shard: input rows per shard (the unit of work, commit and retry).
         seed: job seed; unseeded rows use a seed derived from (seed, row id).
         max_shard_attempts: attempts per shard before its rows are written as error rows.
         ray_address: None = the cluster in ``RAY_ADDRESS`` or an already connected one, else a
             new local Ray on 127.0.0.1; ``"local"`` = always that local Ray.
-        engine: ``actors.engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
+        engine: ``actors.engine.llm_engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
         trust_remote_code: passed to transformers; off unless set.
         deterministic: True (default): each actor runs one shard at a time on its engine,
             all of the shard's requests admitted together on a fresh prefix cache, so a

@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from actors.serving import EngineFailure
-from actors.shard import PartWriteError, ShardResult, ShardTask, write_failed_shard
+from actors.contract.shard_io import write_failed_shard
+from actors.contract.task import EngineFailure, PartWriteError, ShardResult, ShardTask
 from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from actors.task import ShardTask
+from actors.contract.task import ShardTask
 from jobs.cluster import MAX_SHARDS_IN_FLIGHT
 from jobs.config import JobConfig
-from jobs.inputs import InputSpec
 from jobs.manifest import encode_schema
+from jobs.sources import InputSpec
 from jobs.storage import Location
 
 
@@ -124,7 +124,7 @@ def _default_n(config: JobConfig) -> int:
 
 def _max_num_seqs(config: JobConfig) -> int:
     """The engine's ``max_num_seqs`` (the largest ``n`` a row may ask for)."""
-    from actors.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
 
     default = next(f.default for f in dataclasses.fields(EngineConfig)
                    if f.name == "max_num_seqs")

@@ -13,12 +13,12 @@ import os
 import time
 from typing import Any
 
-from actors.shard import ShardResult
+from actors.contract.task import ShardResult
 from jobs.config import ConfigLike, JobConfig, load_config
-from jobs.inputs import discover
 from jobs.manifest import Manifest
 from jobs.plan import fill_rows, make_task, plan_document, plan_shards, underfilled_engine
 from jobs.progress import JobResult, Progress, totals
+from jobs.sources import discover
 from jobs.storage import resolve
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def engine_options(config: JobConfig) -> dict[str, Any]:
     unknown or invalid key), with the job's ``trust_remote_code``, ``seed`` and, for CPU
     actors, ``device: cpu`` filled in. Shipped to the actors as a mapping: device and dtype
     defaults resolve where the engine runs, not on the driver."""
-    from actors.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
 
     values = dict(config.engine)
     values.setdefault("trust_remote_code", config.trust_remote_code)
@@ -63,6 +63,7 @@ def check_model(config: JobConfig) -> None:
             raise ValueError(f"config.model: {model!r}/config.json names no model_type")
         if data.get("auto_map") and not config.trust_remote_code:
             _refuse_remote_code(model, data)
+        _check_heads(config, data.get("text_config") or data)
         return
     from transformers import AutoConfig
 
@@ -71,6 +72,19 @@ def check_model(config: JobConfig) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure here means an unusable model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"config.model: cannot load {model!r}: {first}") from None
+
+
+def _check_heads(config: JobConfig, text: dict) -> None:
+    """``engine.tensor_parallel_size`` against the heads of a local config.json, before any
+    actor starts."""
+    from actors.engine.engine_config import check_tensor_parallel
+
+    tp, heads = config.engine.get("tensor_parallel_size", 1), text.get("num_attention_heads")
+    if isinstance(tp, int) and tp > 1 and isinstance(heads, int):
+        try:
+            check_tensor_parallel(tp, heads, text.get("num_key_value_heads") or heads)
+        except ValueError as exc:
+            raise ValueError(f"config.{exc}") from None
 
 
 def _refuse_remote_code(model: str, data: dict) -> None:
@@ -142,14 +156,15 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
 
 
 def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
-    from jobs.cluster import actor_factory, check_resources, connect
+    from jobs.cluster import actor_factory, check_resources, connect, replica_gpus
     from jobs.dispatch import Dispatcher, shards_at_once
 
     if actor_cls is None:
         from actors.actor import GenerationActor as actor_cls
 
     connect(config.ray_address)
-    check_resources(config.num_actors, config.num_gpus_per_actor)
+    gpus = replica_gpus(engine, config.num_gpus_per_actor)  # per replica (actor)
+    check_resources(config.num_actors, gpus)
 
     def commit(result: ShardResult, actor: str) -> None:
         entry = {"part": result.part, "rows": result.rows, "output_rows": result.output_rows,
@@ -170,7 +185,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
 
     fill = fill_rows(config)  # 0: shards run one at a time, two per actor at once
     dispatcher = Dispatcher(
-        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor,
+        actor_factory(actor_cls, config.model, engine, gpus,
                       shards_at_once=shards_at_once(fill)),
         min(config.num_actors, len(todo)),
         lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 # public name -> the submodule that defines it
 _EXPORTS = {
     "LOGPROBS_MODES": "sampler.params",
-    "AsyncOutput": "sampler.output",
-    "HostOutput": "sampler.output",
+    "AsyncOutput": "sampler.sampler_output",
+    "HostOutput": "sampler.sampler_output",
     "LogprobsMode": "sampler.params",
     "Sampler": "sampler.sampler",
-    "SamplerOutput": "sampler.output",
+    "SamplerOutput": "sampler.sampler_output",
     "SamplingParams": "sampler.params",
     "StructuredOutputsParams": "sampler.structured_params",
     "compute_prompt_logprobs": "sampler.prompt_logprobs",
@@ -30,7 +30,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from sampler.functional import sample_logits
-    from sampler.output import AsyncOutput, HostOutput, SamplerOutput
+    from sampler.sampler_output import AsyncOutput, HostOutput, SamplerOutput
     from sampler.params import LOGPROBS_MODES, LogprobsMode, SamplingParams
     from sampler.prompt_logprobs import compute_prompt_logprobs
     from sampler.sampler import Sampler

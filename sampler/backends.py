@@ -136,7 +136,7 @@ def pipeline_fn(backend: str, device: torch.device | None = None) -> Callable:
         fallback = fallback_backend(device)
         return FlashInferPipeline(device, pipeline_fn(fallback), fallback)
     if backend == "triton":
-        from sampler.kernels.pipeline import run_pipeline_triton
+        from sampler.kernels.launcher import run_pipeline_triton
 
         return run_pipeline_triton
     from sampler.pipeline import run_pipeline

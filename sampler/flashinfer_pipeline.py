@@ -2,26 +2,9 @@
 
 Same contract as :func:`sampler.pipeline.run_pipeline`. A step runs here when the host-side
 plan allows it (:func:`unsupported_reason`); otherwise it runs on the Triton or torch path
-given at construction (decided on the host, no device sync). On a step that runs here:
-
-- steps 2–6 (grammar masks, allowed ids, bad words, min_tokens, logit bias, penalties) run
-  only when the plan needs them, on our ops (the Triton processing kernel on CUDA when Triton
-  is there, else the torch ops), into a float32 working copy;
-- greedy rows: argmax of those logits (step 7; ties to the lowest id);
-- random rows: ``flashinfer.sampling.softmax`` with the per-row temperature (step 8), min-p
-  on the probabilities (step 9: ``p_t < min_p * p_max`` is ``logit_t < max + ln(min_p)``),
-  ``top_k_renorm_probs`` (step 10, per-row k) and ``top_p_sampling_from_probs`` (step 11-12,
-  per-row p, applied to the distribution renormalised after top-k), or
-  ``sampling_from_probs`` when no row has top-p. Every row goes through one batched call;
-  greedy rows (T = 1, filters off in the state) take the argmax instead;
-- logprobs (raw family only): from the untouched logits through
-  :func:`sampler.ops.compute_logprob_outputs`, the torch pipeline's own function, in chunks
-  of rows, so every value, rank and top-k list means what it means on the other backends.
-
-The draw uses FlashInfer's Philox RNG with seed/offset *tensors* owned here (CUDA-graph safe:
-the offset is advanced on the device after each draw), never the per-row counter-based noise:
-tokens are statistically equal to the torch oracle's, not equal, and do not depend on a
-row's seed (so a request that set a seed never runs here). FlashInfer 0.6.4 signatures.
+given at construction (decided on the host, no device sync). The draw uses FlashInfer's Philox
+RNG, not the per-row counter-based noise, so a request that set a seed never runs here. What
+runs where: docs/sampler_kernels.md (The FlashInfer backend). FlashInfer 0.6.4 signatures.
 """
 
 from __future__ import annotations
@@ -33,14 +16,14 @@ from typing import Callable
 import torch
 
 from sampler.ops import compute_logprob_outputs
-from sampler.output import SamplerOutput
+from sampler.sampler_output import SamplerOutput
 from sampler.pipeline import (
     PROCESSED_LOGITS,
     PROCESSED_LOGPROBS,
     _raw_values,
     apply_masks_and_penalties,
 )
-from sampler.plan import StepPlan
+from sampler.step_plan import StepPlan
 from sampler.state import (
     LOG_MIN_P,
     MODE,

@@ -1,4 +1,4 @@
-"""``sample_logits``: the stateless entry point (SAMPLER_SPEC §0), on the Sampler's own ops.
+"""``sample_logits``: the stateless entry point (docs/sampler.md §0), on the Sampler's own ops.
 
 It builds a throw-away per-row state (one slot per row) from the lists it is given and runs
 the same pipeline as :class:`~sampler.sampler.Sampler`, so both give the same results on the
@@ -15,9 +15,9 @@ import torch
 
 from sampler.backends import pipeline_fn, resolve_backend
 from sampler.ops.gumbel import NoisePrecision
-from sampler.output import SamplerOutput
+from sampler.sampler_output import SamplerOutput
 from sampler.params import SamplingParams
-from sampler.plan import make_plan
+from sampler.step_plan import make_plan
 from sampler.state import SamplerState
 from sampler.validation import as_bad_words, as_seed, as_token_array, check_logits
 
@@ -61,8 +61,9 @@ def sample_logits(
         noise_precision: "fp32" or "fp64" Gumbel noise.
 
     Returns:
-        :class:`~sampler.output.SamplerOutput` with ``token_ids [rows]`` and, when a row asked
-        for logprobs, ``logprobs``, ``ranks`` and (K > 0) ``topk_ids`` / ``topk_values``.
+        :class:`~sampler.sampler_output.SamplerOutput` with ``token_ids [rows]`` and, when a
+        row asked for logprobs, ``logprobs``, ``ranks`` and (K > 0) ``topk_ids`` /
+        ``topk_values``.
 
     Raises:
         ValueError: naming the argument, for a malformed input.

@@ -1,6 +1,6 @@
 """SamplingParams: the per-request knobs of the sampler and of the stop logic.
 
-Field names and defaults follow vLLM; the rules are those of SAMPLER_SPEC §1. Every violation
+Field names and defaults follow vLLM; the rules are those of docs/sampler.md §1. Every violation
 raises ``ValueError`` naming the field and the bound; wrong types raise ``ValueError`` too (the
 values usually come from data files, where a type error is a data error).
 """
@@ -103,7 +103,7 @@ def _check_logprobs(name: str, value: Any) -> int | None:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Sampling and stopping parameters of one request (SAMPLER_SPEC §1).
+    """Sampling and stopping parameters of one request (docs/sampler.md §1).
 
     Args:
         n: number of samples drawn for the prompt (each its own noise stream).
@@ -119,7 +119,7 @@ class SamplingParams:
         stop, stop_token_ids, include_stop_str_in_output, ignore_eos: stop conditions.
         logprobs: None off; 0 the sampled token; k > 0 top-k too; -1 the whole vocab.
         prompt_logprobs: as ``logprobs``, for the prompt positions.
-        logprobs_mode: which values the logprobs carry (SAMPLER_SPEC §3).
+        logprobs_mode: which values the logprobs carry (docs/sampler.md §3).
         logit_bias: token id -> additive bias.
         allowed_token_ids: if set, every other token is masked.
         bad_words: words whose last token is masked after their prefix was generated.

@@ -1,6 +1,6 @@
-"""The sampling pipeline of SAMPLER_SPEC §2 over a batch, on the torch ops.
+"""The sampling pipeline of docs/sampler.md §2 over a batch, on the torch ops.
 
-One ordered pass; each step runs only when the host-side :class:`~sampler.plan.StepPlan` says
+One ordered pass; each step runs only when the host-side :class:`~sampler.step_plan.StepPlan` says
 a row needs it. Float32 logits are the working buffer when ``inplace`` (the engine's case);
 bf16/fp16 logits get one float32 working copy (none for an all-greedy batch that no step
 touches) and stay untouched (they are the raw snapshot).
@@ -27,8 +27,8 @@ from sampler.ops import (
     compute_sampled_ids,
 )
 from sampler.ops.gumbel import NoisePrecision
-from sampler.output import SamplerOutput
-from sampler.plan import StepPlan
+from sampler.sampler_output import SamplerOutput
+from sampler.step_plan import StepPlan
 from sampler.state import (
     FREQUENCY,
     LOG_MIN_P,

@@ -1,4 +1,4 @@
-"""Prompt logprobs (SAMPLER_SPEC §3), computed in bounded chunks of rows.
+"""Prompt logprobs (docs/sampler.md §3), computed in bounded chunks of rows.
 
 Prompt position i (i >= 1) holds log P(prompt[i] | prompt[:i]): the caller passes the logits
 of positions 0..n-2 with the targets prompt[1..n-1] (position 0 has no value). The values come
@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from sampler.ops.logprobs import compute_logprob_outputs
-from sampler.output import SamplerOutput
+from sampler.sampler_output import SamplerOutput
 from sampler.params import LogprobsMode
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 25  # fp32 working block per chunk: 128 MiB
@@ -49,7 +49,7 @@ def compute_prompt_logprobs(
             8k-token prompt over a 152k vocab never materialises a 5 GB block.
 
     Returns:
-        :class:`~sampler.output.SamplerOutput` with ``token_ids`` = the targets,
+        :class:`~sampler.sampler_output.SamplerOutput` with ``token_ids`` = the targets,
         ``logprobs [num_tokens]`` float32, ``ranks [num_tokens]`` int64 and, for
         ``num_logprobs != 0``, ``topk_ids`` / ``topk_values`` ``[num_tokens, K]``.
 

@@ -12,9 +12,9 @@ from dataclasses import replace
 from sampler.backends import pipeline_fn, resolve_backend
 from sampler.grammar_mask import StepBitmask, check_bitmask
 from sampler.ops.gumbel import NoisePrecision
-from sampler.output import SamplerOutput
+from sampler.sampler_output import SamplerOutput
 from sampler.params import SamplingParams
-from sampler.plan import PlanCache
+from sampler.step_plan import PlanCache
 from sampler.state import SamplerState, to_device
 from sampler.validation import (
     as_bad_words,
@@ -184,7 +184,7 @@ class Sampler:
                 processed ones the masked logits).
 
         Returns:
-            :class:`~sampler.output.SamplerOutput` on the device. The slots' output
+            :class:`~sampler.sampler_output.SamplerOutput` on the device. The slots' output
             positions, output-token counts and recent tokens are updated from the sampled ids
             on the device; nothing here waits for the device.
         """

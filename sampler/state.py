@@ -95,7 +95,7 @@ class SamplerState:
         self.eos_token_ids = list(eos_token_ids)
         s = max_num_seqs
         self.version = 0  # bumped by every add/remove: a step plan of an unchanged state
-        # and batch holds (sampler.plan.PlanCache)
+        # and batch holds (sampler.step_plan.PlanCache)
         self.active = np.zeros(s, dtype=bool)
         self.pos_host = np.zeros(s, dtype=np.int64)  # lower bound of the device position
         self.has_penalties = np.zeros(s, dtype=bool)

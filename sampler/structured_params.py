@@ -4,7 +4,7 @@ Exactly one kind per request: ``json`` (a JSON schema, dict or JSON text), ``reg
 Python ``re`` pattern, matched in full), ``choice`` (one of the given strings), ``grammar``
 (Lark, or GBNF when it contains ``::=``) or ``json_object`` (any JSON object). Every
 violation raises ``ValueError`` naming ``sampling_params.structured_outputs.<field>``.
-Compiling the constraint happens in the engine (``actors.structured``); this module only
+Compiling the constraint happens in the engine (``actors.engine.structured``); this module only
 validates and normalises, and loads nothing heavy.
 """
 

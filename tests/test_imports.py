@@ -25,7 +25,7 @@ def test_import_loads_no_heavy_module(module):
 @pytest.mark.parametrize("statement", [
     "import sampler.params",  # SamplingParams: what the driver validates params with
     "import jobs.runner, jobs.dispatch, jobs.plan, jobs.config",  # the driver of `raygen run`
-    "import actors.actor, actors.task",  # what a Ray worker imports before the constructor
+    "import actors.actor, actors.contract.task",  # what a Ray worker imports before the constructor
     # the driver checks the engine options it ships (device "auto" is resolved on the actor)
     "from jobs.config import JobConfig; from jobs.runner import engine_options; "
     "engine_options(JobConfig(model='m', input='i.parquet', output='o', "

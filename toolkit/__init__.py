@@ -12,7 +12,7 @@ from toolkit.generate import generate  # noqa: E402,F401
 _LAZY = {
     "SamplingParams": "sampler.params",
     "StructuredOutputsParams": "sampler.structured_params",
-    "GenerationOutput": "actors.outputs",
+    "GenerationOutput": "actors.engine.generation_output",
     "JobConfig": "jobs.config",
     "JobResult": "jobs.progress",
     "run_job": "jobs.runner",

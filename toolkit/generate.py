@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from actors.engine import Engine
-    from actors.outputs import GenerationOutput
+    from actors.engine.generation_output import GenerationOutput
+    from actors.engine.llm_engine import Engine
 
 _cache_lock = threading.Lock()
 _cached: tuple[str, Engine] | None = None
@@ -29,24 +29,29 @@ def _normalise_prompts(prompts: Any) -> list[Any]:
 def _engine_for(model: str, engine_options: dict[str, Any]) -> Engine:
     """The engine for (model, options): reused while the same pair is asked for."""
     global _cached
-    from actors.config import EngineConfig
-    from actors.engine import Engine
+    from actors.engine.engine_config import EngineConfig
+    from actors.engine.llm_engine import Engine
 
     config = EngineConfig.from_dict(engine_options)
     key = json.dumps([str(model), config.to_dict()], sort_keys=True, default=str)
     with _cache_lock:
         if _cached is not None and _cached[0] == key:
             return _cached[1]
-        _cached = None  # free the previous engine's memory before loading another
+        if _cached is not None:  # free the previous engine (and its ranks) before another
+            _cached[1].close()
+        _cached = None
         engine = Engine(str(model), config)
         _cached = (key, engine)
         return engine
 
 
 def clear_engine_cache() -> None:
-    """Drops the engine kept between ``generate`` calls (frees its model and KV memory)."""
+    """Drops the engine kept between ``generate`` calls (frees its model and KV memory, and
+    ends its other tensor-parallel ranks)."""
     global _cached
     with _cache_lock:
+        if _cached is not None:
+            _cached[1].close()
         _cached = None
 
 
@@ -68,6 +73,8 @@ def generate(
         model: local directory or hub id.
         **engine_options: ``EngineConfig`` fields (``max_num_seqs``, ``dtype``, ...). The engine
             is kept and reused by the next call with the same model and options.
+            ``tensor_parallel_size=2`` splits the model over this process and a child process
+            (ended by ``clear_engine_cache()``, by a call with other options, or at exit).
 
     Returns:
         One ``GenerationOutput`` per (prompt, sample), in prompt order then ``sample_index``;

@@ -2,7 +2,7 @@
 
 Each round: ``generate`` (prompts spread over the actors; n samples of a prompt share its KV)
 returns an Arrow table with the job output columns and logprob columns of declared meaning
-(``actors.rollout``); the trainer updates its weights; ``update_weights`` pushes them through
+(``actors.rollout_table``); the trainer updates its weights; ``update_weights`` pushes them through
 Ray's object store into every actor in place (nothing is reloaded from disk; the prefix cache
 is reset); ``sleep`` / ``wake_up`` give the device memory to the trainer in between.
 """
@@ -27,9 +27,11 @@ class RolloutPool:
         model: local directory or hub id (read once, when the actors start).
         num_actors: actors in the pool.
         engine: ``EngineConfig`` fields (dict) or an ``EngineConfig``.
-        num_gpus_per_actor: GPUs per actor; 0 runs the engines on CPU.
+        num_gpus_per_actor: GPUs per actor; 0 runs the engines on CPU. With
+            ``engine={"tensor_parallel_size": tp}`` an actor is a replica of ``tp`` ranks and
+            reserves ``tp * num_gpus_per_actor`` GPUs.
         num_cpus_per_actor: CPUs Ray reserves per actor.
-        logprob_columns: default logprob columns of ``generate`` (see ``actors.rollout``).
+        logprob_columns: default logprob columns of ``generate`` (see ``actors.rollout_table``).
         ray_address: Ray to connect to (None: the current one, ``RAY_ADDRESS``, else a local
             Ray on 127.0.0.1).
 
@@ -45,9 +47,9 @@ class RolloutPool:
                  num_gpus_per_actor: float = 1, num_cpus_per_actor: float = 1,
                  logprob_columns: Sequence[str] = DEFAULT_COLUMNS,
                  ray_address: str | None = None):
-        from actors.config import EngineConfig
-        from actors.rollout import canonical_columns
-        from jobs.cluster import check_resources, connect
+        from actors.engine.engine_config import EngineConfig
+        from actors.rollout_table import canonical_columns
+        from jobs.cluster import check_resources, connect, replica_gpus
 
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors: must be an integer >= 1, got {num_actors!r}")
@@ -61,13 +63,14 @@ class RolloutPool:
         self.model = str(model)
         self.logprob_columns = canonical_columns(logprob_columns)
         connect(ray_address)
-        check_resources(num_actors, num_gpus_per_actor)
+        num_gpus = replica_gpus(options, num_gpus_per_actor)  # per replica: GPUs x ranks
+        check_resources(num_actors, num_gpus)
         import ray
 
         from actors.actor import GenerationActor
 
         remote_cls = ray.remote(GenerationActor).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, max_restarts=0,
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus, max_restarts=0,
             max_task_retries=0)
         self._actors = [remote_cls.remote(self.model, options) for _ in range(num_actors)]
         try:
@@ -103,13 +106,13 @@ class RolloutPool:
 
         Returns:
             One row per (prompt, sample), in prompt order then ``sample_index``: the job output
-            columns (``actors.schema``), then the logprob columns (``list<float32>``).
+            columns (``actors.contract.schema``), then the logprob columns (``list<float32>``).
         """
         import pyarrow as pa
         import ray
 
-        from actors.rollout import canonical_columns, prepare_params, rollout_schema
         from actors.actor import params_per_prompt
+        from actors.rollout_table import canonical_columns, prepare_params, rollout_schema
         from toolkit.generate import _normalise_prompts
 
         columns = self.logprob_columns if logprob_columns is None \
@@ -159,7 +162,7 @@ class RolloutPool:
         if isinstance(weights, ray.ObjectRef):
             stats = ray.get([a.update_weights.remote(weights) for a in actors])[0]
             return {**stats, "seconds": time.perf_counter() - t0}
-        from actors.weights import WeightPayload, iter_weights, pack_weights
+        from actors.engine.weights import WeightPayload, iter_weights, pack_weights
 
         pairs = iter_weights(weights)
         if isinstance(weights, (Mapping, WeightPayload)):
@@ -186,7 +189,7 @@ class RolloutPool:
     def _checked(self, pairs: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         import torch
 
-        from actors.weights import check_tensor, unknown_names_error
+        from actors.engine.weights import check_tensor, unknown_names_error
 
         seen: set[str] = set()
         for name, value in pairs:

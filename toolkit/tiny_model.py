@@ -12,8 +12,11 @@ import os
 from pathlib import Path
 from typing import Literal
 
-Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"]
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe",
+                          "mixtral", "olmoe")
+# the MoE archs: 8 experts of width 32, top 2 (qwen2_moe also a gated shared expert)
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -96,6 +99,16 @@ def tiny_config(arch: Arch, vocab_size: int, *, sliding_window: int | None = Non
         cfg = transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=sliding_window or 4096)
+    elif arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**common, **_MOE, shared_expert_intermediate_size=48,
+                                          norm_topk_prob=False)
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, **_MOE, head_dim=32, norm_topk_prob=True)
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
+                                         sliding_window=sliding_window)
+    elif arch == "olmoe":
+        cfg = transformers.OlmoeConfig(**common, **_MOE, norm_topk_prob=False)
     else:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     for key, value in overrides.items():

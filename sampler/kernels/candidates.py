@@ -1,39 +1,12 @@
 """The candidate path: a step for greedy rows and top-k rows in one read of the logits.
 
-For a row whose kept set is bounded (greedy; random with ``top_k <= KMAX``; top-k logprobs up
-to ``KMAX``) everything the step needs lies in a few hundred tokens: the top-k by processed
-value (min-p and top-p act inside it) and the raw top-n for the logprobs. Two kernels:
-
-1. ``_cand_stats_kernel`` (grid rows x vocab chunks) reads each chunk once: the raw and
-   temperature log-sum-exps over every token; the greedy (value, lowest index), the
-   per-lane maxima and the per-cell maxima (a cell: a lane's tokens in a few consecutive
-   tiles) of the *untouched* tokens (touch bit clear: processed value = raw value,
-   :mod:`sampler.state`); the chunk bound ``t_c``, the K-th largest lane maximum
-   (``K = max(top_k, logprobs)``). Then only the cells whose maximum reaches ``t_c`` are
-   read again (from L2), and their untouched tokens ``>= t_c`` appended to the row's
-   candidate list; the touched tokens, found from the chunk's nonzero touch words, are
-   appended with their raw values to the row's touched list.
-2. ``_cand_finish_kernel`` (one program per row) combines the chunks, runs steps 2-6 on the
-   touched tokens only (:func:`sampler.kernels.process._processed` on their ids), adds those
-   that can matter to the candidates, sorts them exactly (value desc, id asc; a sort of 128,
-   512 or ``CAP`` keys, the smallest that holds the row's list), and does
-   steps 7-12 and the logprobs on them with the fused kernel's arithmetic (same kept set, same
-   noise, same draw).
-
-Why the candidates suffice: K distinct untouched tokens of chunk c are ``>= t_c``, so the
-row's K-th largest value is ``>= t_c``, while every untouched token left out is at most
-``t = max_c u_c`` (``u_c``: the largest value chunk c left out: the largest maximum of the
-cells not read again, or a token of the others below ``t_c``). The finish kernel checks in
-the arithmetic of each decision that nothing left out can matter: the kept set's threshold
-must exceed ``f(t)`` (``f`` the division by T: a value below ``t`` can still round to the
-threshold), the n-th top logprob must exceed the mode value of ``t``, and the sampled
-token's value must reach it for the rank to be counted in the list; touched tokens join the
-candidates when their values reach the same bounds. A row that fails a check, or whose lists
-overflow, is flagged (``done = 0``) and left to the fused kernel, launched after this path; a
-row settled except for its rank gets ``done = 2`` and its rank is counted over the row
-(:func:`sampler.kernels.chunked._chunk_rank_kernel`). Which way a row goes depends on the
-row alone. The finish kernel also writes each row's bad-word bans (for the fused kernel) and,
-when asked, advances the slots of the rows it settles (:func:`sampler.kernels.record._record_row`).
+``_cand_stats_kernel`` (rows x vocab chunks) reads each chunk once and lists the tokens that can
+matter (the untouched ones at or above the chunk's K-th largest lane maximum, and the touched
+ones); ``_cand_finish_kernel`` (one program per row) processes the touched tokens, sorts the
+list and does steps 7-12 and the logprobs on it with the fused kernel's arithmetic. A row whose
+list may miss a token that matters is flagged ``done = 0`` and left to the fused kernel;
+``done = 2``: settled but for its rank (:mod:`sampler.kernels.rank`). Why the list suffices:
+docs/sampler_kernels.md.
 """
 
 from __future__ import annotations
@@ -41,14 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.chunked import REC_LSE_R, REC_LSE_T, REC_WIDTH, _row_flags
-from sampler.kernels.fused import (_best, _first_tiles, _gumbel_max_of, _kth_largest,
-                                   _lse, _lse_pair, _mode_value, _next_tile, _online_lse,
-                                   _token_value, _top_p_within)
+from sampler.kernels.kernel_config import REC_LSE_R, REC_LSE_T, REC_WIDTH
+from sampler.kernels.draw import _gumbel_max_of
 from sampler.kernels.noise import LANE0, LANE1, _row_key
-from sampler.kernels.process import _processed, _row_processing
+from sampler.kernels.process import _processed, _row_flags, _row_processing
 from sampler.kernels.record import _record_row
-from sampler.kernels.select import _key_id, _key_value, _order_key
+from sampler.kernels.reductions import (_best, _kth_largest, _lse, _lse_pair, _mode_value,
+                                        _online_lse, _token_value)
+from sampler.kernels.select import _key_id, _key_value, _order_key, _top_p_within
+from sampler.kernels.tiles import _first_tiles, _next_tile
 from sampler.ops.bad_words import PAD_ANY
 
 KEY_NONE: tl.constexpr = tl.constexpr(-9223372036854775807 - 1)  # below every value's key
@@ -125,9 +99,10 @@ def _cand_stats_kernel(
     """Step 1, grid rows x chunks (module docstring). The chunk is read once; what the lists
     need beyond the statistics is found from per-cell maxima kept in registers (a cell: one
     lane's ``VEC`` tokens in ``CG`` consecutive tiles, so lane r of tile j is in cell
-    ``(r, j // CG)``; ``CG`` a power of two, ``CG * VEC`` tiles a chunk at most): the cells whose maximum reaches
-    ``t_c`` are compacted into ``scratch`` and only their tokens are read again (from L2).
-    Touched tokens are found from the chunk's nonzero touch words, compacted the same way.
+    ``(r, j // CG)``; ``CG`` a power of two, ``CG * VEC`` tiles a chunk at most): the cells
+    whose maximum reaches ``t_c`` are compacted into ``scratch`` and only their tokens are
+    read again (from L2). Touched tokens are found from the chunk's nonzero touch words,
+    compacted the same way.
 
     FINISH (a step of greedy rows of unprocessed logits without top logprobs): the last of a
     row's chunk programs to finish (``arrive_ptr``: per row, how many have) combines the
@@ -321,7 +296,7 @@ def _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_
 def _row_bans(words_ptr, wlens_ptr, NW, WL, recent_ptr, RW, slot,
               NWP2: tl.constexpr, WLP2: tl.constexpr):
     """``[NWP2]``: the last token of each of the slot's bad words whose prefix matches its
-    recent output tokens, else -1 (:func:`sampler.kernels.pipeline.compute_bad_word_bans`)."""
+    recent output tokens, else -1 (:func:`sampler.kernels.tables.compute_bad_word_bans`)."""
     w = tl.arange(0, NWP2)
     col = tl.arange(0, WLP2)
     wm = w < NW

@@ -1,5 +1,5 @@
 """Counter-based Gumbel noise in Triton: the bits and the float math of
-:mod:`sampler.ops.gumbel` (see its docstring for the hash), 32-bit noise.
+:mod:`sampler.ops.gumbel` (the hash: docs/sampler_kernels.md), 32-bit noise.
 
 ``-log1p(-y)`` is computed as ``-log(u) * y / (1 - u)`` with ``u = 1 - y`` (exact to a few ulp
 and identical under the interpreter and on the GPU), so the noise can differ from torch's

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sampler.kernels.tables import kernel_tables
 from sampler.kernels.token_bitmask import _bitmask_tile, _mask_row
 
 
@@ -28,7 +29,8 @@ def _processed(
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
 ):
-    """Pipeline steps 2-6 on one tile of raw fp32 logits (the grammar mask first)."""
+    """Pipeline steps 2-6 on one tile of raw fp32 logits (the grammar mask first: ``mrow``
+    is the row's index in ``gbits_ptr``, -1 for an unconstrained row)."""
     x = raw
     if HAS_GRAMMAR:
         x = _bitmask_tile(x, offs, vmask, gbits_ptr, mrow, GW)
@@ -80,6 +82,19 @@ def _row_processing(fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
 
 
 @triton.jit
+def _row_flags(iparams_ptr, stride_i, slot, V):
+    """A row's selection and logprobs flags: (greedy, k_on, top_k, lp_on, rk_on, nlp, mode)."""
+    top_k = tl.load(iparams_ptr + slot * stride_i + 2)
+    nlp = tl.load(iparams_ptr + slot * stride_i + 4)
+    mode = tl.load(iparams_ptr + slot * stride_i + 5)
+    greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
+    raw_family = (mode == 0) | (mode == 1) | (mode == 4)
+    lp_on = (nlp != -2) & raw_family & (nlp >= 0)
+    k_on = (top_k > 0) & (top_k < V)
+    return greedy, k_on, top_k, lp_on, lp_on & (nlp > 0), nlp, mode
+
+
+@triton.jit
 def _processing_kernel(
     x_ptr, stride_row, V, W, idx_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, fparams_ptr, stride_f,
@@ -115,12 +130,10 @@ def apply_processing(logits: torch.Tensor, idx_mapping: torch.Tensor, state, pla
         logits: ``[rows, vocab]`` float32, contiguous in the vocab dimension.
         idx_mapping: ``[rows]`` int64, the slot of each row.
         state: the flushed :class:`~sampler.state.SamplerState`.
-        plan: the step's :class:`~sampler.plan.StepPlan` (which steps run).
+        plan: the step's :class:`~sampler.step_plan.StepPlan` (which steps run).
         bans: ``[rows, n]`` int64 banned ids per row (bad words; -1 = none), see
-            :func:`sampler.kernels.pipeline.compute_bad_word_bans`.
+            :func:`sampler.kernels.tables.compute_bad_word_bans`.
     """
-    from sampler.kernels.pipeline import kernel_tables
-
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     rows, vocab = logits.shape
     if rows == 0:

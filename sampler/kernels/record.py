@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sampler.kernels.kernel_config import placeholder
 from sampler.state import FREQUENCY, PRESENCE, REPETITION
 
 REP: tl.constexpr = tl.constexpr(REPETITION)
@@ -66,8 +67,6 @@ def record_kwargs(state, device) -> dict:
     """The state's tables as the record keyword arguments (``r_*``: placeholders for the
     absent ones, with the matching constexprs) that ``_record_kernel``, and the kernels that
     record a step themselves, take."""
-    from sampler.kernels.pipeline import placeholder
-
     none32 = placeholder(device, torch.int32)
     recent = state.recent_tokens
     rw = recent.shape[1] if recent is not None else 1

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sampler.kernels.reductions import _exp
+
 
 @triton.jit
 def _order_key(v, ids):
@@ -66,3 +68,66 @@ def _choose_bin(cnt, mss, n_lo, mass_lo, target_n, target_m, use_mass, NP: tl.co
     m_before = mass_lo + tl.sum(tl.where(jj < j, mss, 0.0), 0)
     nb = tl.sum(tl.where(jj == j, cnt, 0), 0)
     return j, n_before, m_before, nb, reached
+
+
+@triton.jit
+def _next_up(x):
+    """The next float32 above ``x`` (``x >= 0``)."""
+    return (x.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _next_width(lo, hi, w, NP: tl.constexpr):
+    """Bin width of the next refinement pass over ``[lo, hi)``: the open last bin widens, a
+    closed range splits into NP - 1 bins, never narrower than one float step (so no two
+    edges coincide)."""
+    return tl.where(hi == float("inf"), w * (NP - 1),
+                    tl.maximum((hi - lo) / (NP - 1), _next_up(lo) - lo))
+
+
+@triton.jit
+def _count_bins(b, jj, NP: tl.constexpr, HIST: tl.constexpr, R: tl.constexpr,
+                VEC: tl.constexpr):
+    """Per-tile bin counts ``[NP]`` of the int bins ``b`` ([R, VEC])."""
+    if HIST:
+        return tl.histogram(tl.reshape(b, [R * VEC]), NP)
+    else:
+        acc = tl.zeros([R, NP], dtype=tl.int32)
+        for j in tl.static_range(NP - 1):
+            acc += tl.where(jj[None, :] == j, tl.sum((b == j).to(tl.int32), 1)[:, None], 0)
+        return tl.sum(acc, 0)
+
+
+@triton.jit
+def _mass_bins(b, e, jj, NP: tl.constexpr, R: tl.constexpr):
+    acc = tl.zeros([R, NP], dtype=tl.float32)
+    for j in tl.static_range(NP - 1):
+        acc += tl.where(jj[None, :] == j, tl.sum(tl.where(b == j, e, 0.0), 1)[:, None], 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _append(cand, counter, sel, keys, CAP: tl.constexpr):
+    """Appends ``keys[sel]`` to a candidate list through an atomic counter (any order)."""
+    pos = tl.atomic_add(counter + tl.zeros_like(keys).to(tl.int32), 1, mask=sel)
+    tl.store(cand + pos, keys, mask=sel & (pos < CAP))
+
+
+@triton.jit
+def _read_cands(cand, n, CAP: tl.constexpr):
+    jj = tl.arange(0, CAP)
+    return tl.load(cand + jj, mask=jj < n, other=-9223372036854775807 - 1, cache_modifier=".cg")
+
+
+@triton.jit
+def _top_p_within(vals, keep, m_s, top_p):
+    """The top-p boundary value over the kept candidates ``vals[keep]`` (sorted descending,
+    ``keep`` a prefix): the last value of the tie-extended prefix whose strictly-greater mass
+    is ``< p`` of the kept mass (docs/sampler.md §2)."""
+    ii = tl.arange(0, vals.shape[0])
+    e = tl.where(keep, _exp(vals - m_s), 0.0)
+    c = tl.cumsum(e, 0)
+    nk = tl.sum(keep.to(tl.int32), 0)
+    limit = top_p * tl.sum(e, 0)
+    cnt = (limit > 0).to(tl.int32) + tl.sum(((ii < nk - 1) & (c < limit)).to(tl.int32), 0)
+    return tl.sum(tl.where(ii == cnt - 1, vals, 0.0), 0)

@@ -1,4 +1,4 @@
-"""One module per pipeline step (SAMPLER_SPEC §2), torch implementations.
+"""One module per pipeline step (docs/sampler.md §2), torch implementations.
 
 Every op takes the batch tensor plus ``idx_mapping`` (``[rows]`` int64, the slot of each row)
 and reads per-slot state (``[max_num_seqs]`` or ``[max_num_seqs, ...]`` tensors) through it.

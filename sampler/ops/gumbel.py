@@ -1,36 +1,8 @@
 """Counter-based Gumbel noise and the final draw (pipeline step 12; greedy rows: step 7).
 
 A row's noise depends only on (seed, output position, sample index, token id), never on the
-batch, so a draw is the same alone, in any batch, in any slot and in any process.
-
-The hash (32-bit unsigned arithmetic only; ``*`` is multiplication mod 2**32, ``>>`` a logical
-shift, ``^`` xor, ``+`` addition mod 2**32)::
-
-    R1(x)  = (x ^ (x >> 16)) * 0x21F0AAAD
-    R2(x)  = y ^ (y >> 15)  where  y = (x ^ (x >> 15)) * 0x735A2D97
-    mix(x) = R2(R1(x))
-
-    per row, lane L in 0..3 with c = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)[L]:
-        a = mix(c ^ seed_lo);  a = mix(a ^ seed_hi);  a = mix(a ^ sample_index)
-        key[L] = mix(a ^ position)
-    (seed_lo / seed_hi: low / high 32 bits of the 63-bit seed; sample_index and position
-    taken mod 2**32)
-
-    per token t:  h(t; ka, kb) = R2(R1(t + ka) ^ kb)
-        fp32 noise: b = h(t; key0, key1)                                  (n = 32 bits)
-        fp64 noise: b = (h(t; key0, key1) << 21) | (h(t; key2, key3) >> 11)  (n = 53 bits)
-
-For a fixed row the map t -> h is a bijection, so no two tokens of a row share bits.
-
-From bits to noise: ``u = (2b + 1) / 2**(n+1)`` lies in (0, 1) and is never 0 or 1. The
-exponential ``E = -log(u)`` is computed in the tail-accurate form: for ``b < 2**(n-1)``,
-``E = -log(float(2b + 1) * 2**-(n+1))``; otherwise ``E = -log1p(-float(2c + 1) * 2**-(n+1))``
-with ``c = 2**n - 1 - b`` taken exactly from the integer (``1 - u`` is then exact, so the
-largest noise values, which let tail tokens win, are resolved down to ``2**-(n+1)``). The
-Gumbel noise is ``g = -log(E)`` (float32 by default, float64 with ``precision="fp64"``), and
-the draw is ``argmax_t(logit_t + g_t)`` over the surviving (finite) logits. In torch the
-unsigned arithmetic is emulated with int64 tensors and masking (the int64
-products wrap modulo 2**64, so their low 32 bits are exact).
+batch, so a draw is the same alone, in any batch, in any slot and in any process. The hash and
+the map from bits to noise: docs/sampler_kernels.md (Noise).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Logprob outputs (SAMPLER_SPEC §3): sampled value, rank and sorted top-k of a value tensor.
+"""Logprob outputs (docs/sampler.md §3): sampled value, rank and sorted top-k of a value tensor.
 
 The value tensor holds, per row, the values of the row's ``logprobs_mode`` (built by the
 pipeline). Ranks count strictly greater values: ``rank = 1 + #{t : value_t > value_sampled}``.

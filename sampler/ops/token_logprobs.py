@@ -1,4 +1,4 @@
-"""Sampled-token logprobs in two fixed modes at once (SAMPLER_SPEC §3), for RL rollouts.
+"""Sampled-token logprobs in two fixed modes at once (docs/sampler.md §3), for RL rollouts.
 
 A row's ``logprobs`` output carries one value in the row's own ``logprobs_mode``. RL callers
 often want the sampled token's value under two fixed definitions, whatever that mode is:
@@ -79,7 +79,7 @@ def compute_token_logprobs(
     if backend == "torch":
         return compute_token_logprobs_torch(logits, token_ids, temperature)
     if backend == "triton":
-        from sampler.kernels.token_logprobs import compute_token_logprobs_triton
+        from sampler.kernels.token_logprobs_kernel import compute_token_logprobs_triton
 
         return compute_token_logprobs_triton(logits, token_ids, temperature)
     raise ValueError(f"backend: must be one of {', '.join(TOKEN_LOGPROB_BACKENDS)}, "

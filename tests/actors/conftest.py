@@ -41,7 +41,7 @@ def hf_reference():
 @pytest.fixture(scope="session")
 def llama_engine(tiny_llama):
     """A shared engine on the tiny llama (tests must leave it idle)."""
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     return Engine(tiny_llama, {"max_num_seqs": 8, "max_num_batched_tokens": 64,
                                "num_kv_blocks": 256, "max_model_len": 256})

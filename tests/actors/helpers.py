@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,7 +22,7 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0,
 
 
 def make_engine(model: str, **options: Any):
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     defaults = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 256,
                 "max_model_len": 256}
@@ -35,12 +32,3 @@ def make_engine(model: str, **options: Any):
 def by_id(outputs) -> dict:
     """{(id, sample_index): output}."""
     return {(o.id, o.sample_index): o for o in outputs}
-
-
-def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` imported as a module (the directory is no package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -82,7 +82,7 @@ def test_an_actors_constructor_arguments_unpickle_without_the_engine_modules(tmp
     import pyarrow as pa
     import pyarrow.fs as pafs
 
-    from actors.config import EngineConfig
+    from actors.engine.engine_config import EngineConfig
     from actors.shard import ShardTask
 
     fs = pafs.LocalFileSystem()
@@ -93,10 +93,10 @@ def test_an_actors_constructor_arguments_unpickle_without_the_engine_modules(tmp
     code = ("import pickle, sys; import actors.actor; "
             f"model, config, task = pickle.loads(bytes.fromhex({args.hex()!r})); "
             "print(type(task).__module__, task.part_name, task.schema.names, "
-            "[m for m in ('torch', 'transformers', 'sampler', 'actors.engine', 'actors.shard') "
+            "[m for m in ('torch', 'transformers', 'sampler', 'actors.engine.llm_engine', 'actors.shard') "
             "if m in sys.modules])")
     env = {"PYTHONPATH": str(__import__("pathlib").Path(__file__).resolve().parents[2]),
            "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.strip().split(maxsplit=2)
-    assert out == ["actors.task", "part-00003.parquet", "['id'] []"]
+    assert out == ["actors.contract.task", "part-00003.parquet", "['id'] []"]

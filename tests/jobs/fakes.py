@@ -22,7 +22,7 @@ from typing import Any
 
 import ray.cloudpickle
 
-from actors.outputs import GenerationOutput
+from actors.engine.generation_output import GenerationOutput
 
 ray.cloudpickle.register_pickle_by_value(__import__(__name__))
 

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from actors.schema import GENERATED_FIELDS
+from actors.contract.schema import GENERATED_FIELDS
 from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
-from jobs.inputs import discover
+from jobs.sources import discover
 from jobs.plan import make_task, plan_shards
 from jobs.runner import engine_options
 from jobs.storage import resolve
@@ -44,7 +44,7 @@ DEFAULTS = {"max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def engine_server(tiny_llama):
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     cfg = JobConfig.from_dict({"model": tiny_llama, "input": "x", "output": "o",
                                "num_gpus_per_actor": 0, "engine": ENGINE})
@@ -79,7 +79,7 @@ def _table(drawn: list[Row]) -> pa.Table:
 
 def _jsonl(drawn: list[Row], path: Path) -> None:
     """The rows as JSONL: params as JSON objects where they are one (so rows disagree on
-    types and the line reader of actors/jsonl.py takes over), else as text."""
+    types and the line reader of actors/contract/jsonl.py takes over), else as text."""
     with open(path, "w") as f:
         for r in drawn:
             params: object = r.params

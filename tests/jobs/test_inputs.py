@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
 
-from actors.schema import GENERATED_FIELDS
+from actors.contract.schema import GENERATED_FIELDS
 from jobs.config import JobConfig
-from jobs.inputs import discover, file_format
+from jobs.sources import discover, file_format
 from jobs.plan import plan_shards
 from tests.jobs.helpers import write_jsonl, write_parquet
 

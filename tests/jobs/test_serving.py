@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from actors.serving import EngineFailure, EngineServer
+from actors.contract.task import EngineFailure
+from actors.serving import EngineServer
 from sampler import SamplingParams
 from tests.jobs.fakes import FakeEngine
 
@@ -139,21 +140,3 @@ def test_lost_requests_do_not_block_exclusive_callers():
     t.join(timeout=30)
     assert [o.finish_reason for o in outs] == ["length"]
     assert len(errors) == 1 and "engine finished without outputs for ['lost']" in str(errors[0])
-
-
-def test_server_shortens_the_gil_switch_interval(monkeypatch):
-    """The loop thread must not wait the default 5 ms for the GIL after each device wait
-    while a shard thread builds a part; a shorter setting already in force is kept."""
-    import sys
-
-    from actors import serving
-
-    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
-    seen = []
-    monkeypatch.setattr(sys, "setswitchinterval", seen.append)
-    EngineServer(FakeEngine())
-    assert seen == [serving.SWITCH_INTERVAL_S] and serving.SWITCH_INTERVAL_S <= 0.001
-    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.0001)
-    seen.clear()
-    EngineServer(FakeEngine())
-    assert seen == []

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.schema import output_schema
+from actors.contract.schema import output_schema
 from actors.serving import EngineServer
 from actors.shard import (ShardResult, process_shard, read_rows, warm_up_io,
                           write_failed_shard)
 from jobs.config import JobConfig
-from jobs.inputs import discover
+from jobs.sources import discover
 from jobs.plan import make_task, plan_shards
 from jobs.storage import resolve
 from sampler import derive_seed
@@ -274,7 +274,7 @@ def test_an_actor_given_its_first_shard_reads_and_builds_it_while_the_model_load
     import threading
 
     from actors.actor import GenerationActor
-    from actors.engine import Engine
+    from actors.engine.llm_engine import Engine
 
     built_on = []
     real_build = Engine.build_requests
@@ -308,7 +308,7 @@ def test_a_trace_records_every_step_the_shard_phases_and_collections(tmp_path, t
                                                                       monkeypatch):
     import gc
 
-    from actors import profiling
+    from actors.engine import profiling
     from actors.actor import GenerationActor
 
     rows = [{"id": i, "prompt_token_ids": [3 + i, 4, 5, 6][: 2 + i % 3],

@@ -24,7 +24,7 @@ import pytest
 from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
-from jobs.inputs import discover
+from jobs.sources import discover
 from jobs.manifest import MANIFEST, SUCCESS
 from jobs.plan import make_task, plan_shards
 from jobs.runner import run_job

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jobs.runner import run_job
-from tests.actors.structured_checks import (ARITHMETIC_LARK, DATE_REGEX, PERSON_SCHEMA,
+from tests.actors.engine.structured_checks import (ARITHMETIC_LARK, DATE_REGEX, PERSON_SCHEMA,
                                             check_output)
 from tests.jobs.helpers import assert_same_rows, read_output, write_parquet
 

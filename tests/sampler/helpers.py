@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from sampler import Sampler, SamplerOutput, SamplingParams
-from sampler.reference import reference_row
+from tests.sampler.reference import reference_row
 
 
 def random_logits(

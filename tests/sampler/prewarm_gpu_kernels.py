@@ -18,8 +18,8 @@ import sys
 def run_share(start: int, stop: int) -> None:
     import torch
 
-    from sampler.kernels.pipeline import run_pipeline_triton
-    from sampler.plan import make_plan
+    from sampler.kernels.launcher import run_pipeline_triton
+    from sampler.step_plan import make_plan
     from tests.sampler.test_gpu_sampler import DEV, kept_set_batches
 
     for _, sampler, slots, logits in kept_set_batches(start, stop):

@@ -30,22 +30,23 @@ def test_sampler_bench_runs_on_cpu(tmp_path):
 
 
 def test_sampler_bench_triton_variants_under_the_interpreter(tmp_path):
-    """The fused kernel and the chunked pipeline (``c``) through the bench's variant grammar
-    (Triton's CPU interpreter: correctness of the plumbing, not speed)."""
+    """The default kernels and the fused kernel alone (``a``: no candidate path) through the
+    bench's variant grammar (Triton's CPU interpreter: correctness of the plumbing, not
+    speed)."""
     import os
 
     out = tmp_path / "bench.json"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "sampler_bench.py"), "--device", "cpu",
          "--batch-sizes", "3", "--vocab-sizes", "97", "--iters", "1", "--warmup", "0",
-         "--backends", "triton,triton@64x4c", "--workloads", "full,top_p",
+         "--backends", "triton,triton@64x4a", "--workloads", "full,top_p",
          "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, check=True, cwd=ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     records = json.loads(out.read_text())["records"]
     assert {(r["backend"], r["workload"]) for r in records if r.get("median_ms", 0) > 0} == {
-        (b, w) for b in ("triton", "triton@64x4c") for w in ("full", "top_p")}
+        (b, w) for b in ("triton", "triton@64x4a") for w in ("full", "top_p")}
 
 
 def test_sampler_bench_device_slots_and_chunk_sizes(tmp_path):
@@ -77,7 +78,7 @@ def test_kernel_resources_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--only",
-         "chunked rank"], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
-    found = re.search(r"^chunked rank +4 warps +REG:(\d+) STACK:(\d+)$", run.stdout, re.M)
+         "rank"], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    found = re.search(r"^rank +4 warps +REG:(\d+) STACK:(\d+)$", run.stdout, re.M)
     assert found, run.stdout
     assert 0 < int(found[1]) <= 255 and int(found[2]) >= 0

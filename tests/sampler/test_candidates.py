@@ -22,14 +22,15 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE),
 
 
 def _config(**changes):
-    from sampler.kernels.pipeline import launch_config
+    from sampler.kernels.kernel_config import launch_config
 
     return dataclasses.replace(launch_config(1000), **changes)
 
 
 def _run(sampler, slots, logits, config=None):
     """(torch output, Triton output, per-row candidate flags, thresholds, plan)."""
-    from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
+    from sampler.kernels.kernel_config import set_launch_config
+    from sampler.kernels.launcher import run_pipeline_triton
 
     state, plan, idx = step_inputs(sampler, slots)
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
@@ -316,7 +317,7 @@ def test_rounding_ties_with_unlisted_tokens_go_to_the_fused_kernel(unlisted):
     logprobs then equal torch's. Without the check the draws differ. The unlisted tokens sit
     in cells below the bound (0, 4) or in the cells of tokens at it (501, 505: read again,
     then left out)."""
-    from sampler.kernels.pipeline import launch_config
+    from sampler.kernels.kernel_config import launch_config
 
     T, vocab = 1.3, 1000
     v, u = _collide(T)
@@ -369,11 +370,11 @@ def test_greedy_steps_in_one_launch(dtype):
     within a lane, across chunks and everywhere, every raw logprobs mode and rows without
     logprobs, tokens, logprobs, ranks and the recorded state equal the torch sampler's over
     steps, and the per-row arrival counts are back at 0 after each step."""
-    from sampler.kernels import pipeline
-    from sampler.plan import make_plan
+    from sampler.kernels import kernel_config, launcher
+    from sampler.step_plan import make_plan
 
     vocab, rows = 3000, 5
-    assert pipeline.launch_config(vocab).cand_chunk < vocab / 2  # three chunks a row
+    assert kernel_config.launch_config(vocab).cand_chunk < vocab / 2  # three chunks a row
     samplers = [Sampler(8, vocab, device=DEVICE, eos_token_ids=[2], backend=b)
                 for b in ("torch", "triton")]
     modes = ["raw_logprobs", "raw_logits", "temperature_logprobs"]
@@ -384,13 +385,13 @@ def test_greedy_steps_in_one_launch(dtype):
         for s in samplers:
             s.add_request(slot, params, [1, 2, 3], seed=i, bad_words_token_ids=())
     launches = []
-    real = pipeline._run_greedy_one
+    real = launcher._run_greedy_one
 
     def spy(*args, **kwargs):
         launches.append(1)
         return real(*args, **kwargs)
 
-    pipeline._run_greedy_one = spy
+    launcher._run_greedy_one = spy
     try:
         for step in range(3):
             logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(step)) * 2
@@ -399,7 +400,7 @@ def test_greedy_steps_in_one_launch(dtype):
             logits[2, :] = -4.0  # every token ties
             logits = logits.to(device=DEVICE, dtype=dtype)
             plan = make_plan(samplers[1].state, np.asarray(slots))
-            assert pipeline.greedy_one(pipeline.launch_config(vocab), plan)
+            assert launcher.greedy_one(kernel_config.launch_config(vocab), plan)
             ref, out = (s.sample(logits.clone(), slots) for s in samplers)
             assert out.token_ids[:3].tolist() == [3, 1500, 0]
             assert_same(ref, out)
@@ -409,13 +410,13 @@ def test_greedy_steps_in_one_launch(dtype):
                 ta, tb = (getattr(s.state, name) for s in samplers)
                 assert (ta is None and tb is None) or torch.equal(ta, tb), name
     finally:
-        pipeline._run_greedy_one = real
+        launcher._run_greedy_one = real
     # a penalty (the logits change) or top logprobs: not this path
     for s in samplers:
         s.add_request(7, SamplingParams(temperature=0.0, repetition_penalty=1.2), [1], seed=7)
     plan = make_plan(samplers[1].state, np.asarray(slots + [7]))
-    assert not pipeline.greedy_one(pipeline.launch_config(vocab), plan)
+    assert not launcher.greedy_one(kernel_config.launch_config(vocab), plan)
     for s in samplers:
         s.add_request(7, SamplingParams(temperature=0.0, logprobs=2), [1], seed=7)
     plan = make_plan(samplers[1].state, np.asarray(slots + [7]))
-    assert not pipeline.greedy_one(pipeline.launch_config(vocab), plan)
+    assert not launcher.greedy_one(kernel_config.launch_config(vocab), plan)

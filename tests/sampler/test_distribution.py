@@ -1,4 +1,4 @@
-"""10^6 draws from one row against the oracle's renormalised probabilities (SAMPLER_SPEC §5)."""
+"""10^6 draws from one row vs the oracle's renormalised probabilities (docs/sampler.md §5)."""
 
 from __future__ import annotations
 

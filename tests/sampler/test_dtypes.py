@@ -159,7 +159,7 @@ class _LogitsCopies(TorchDispatchMode):
 
 
 # mode -> float32 copies of the logits allowed beyond the bf16 working buffer. Only a
-# raw_logits row needs raw values preserved against the in-place steps (SAMPLER_SPEC §2.1:
+# raw_logits row needs raw values preserved against the in-place steps (docs/sampler.md §2.1:
 # "the values it needs ... fp32 values for raw_logits"; the raw_logprobs and
 # temperature_logprobs values are new tensors, not copies of the logits).
 EXTRA_COPIES = {None: 0, "raw_logprobs": 0, "temperature_logprobs": 0, "processed_logprobs": 0,

@@ -8,7 +8,7 @@ import torch
 
 from sampler import AsyncOutput, Sampler, SamplingParams, derive_seed
 from sampler.pipeline import run_pipeline
-from sampler.plan import make_plan
+from sampler.step_plan import make_plan
 
 from tests.sampler.helpers import chi2_pvalue
 from tests.sampler.test_distribution import PARAMS, VOCAB, _expected, _row
@@ -58,7 +58,7 @@ def test_triton_kept_sets_and_tokens_equal_torch_on_200_batches():
     whose strictly-greater mass is within float32 rounding of p (sums in another order).
     Each new kernel specialisation compiles in seconds on the GPU and the batches need ~20:
     ``python -m tests.sampler.prewarm_gpu_kernels`` compiles them ahead in parallel."""
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
     from sampler.state import TOP_P
 
     token_mismatch = exact_rows = boundary_rows = 0
@@ -213,74 +213,6 @@ def test_flashinfer_logprobs_equal_torch_for_its_tokens():
     torch.testing.assert_close(out.topk_values, vals, rtol=0, atol=0)
 
 
-def test_chunked_pipeline_equals_fused_kernel():
-    """The chunked pipeline at its GPU launch config (vocab chunks of 16,384) on batches of
-    greedy and top-k rows (the fused kernel's tokens and kept-set thresholds, the torch
-    pipeline's logprobs), then with rows without top-k on the draw-first paths (the fused
-    kernel's tokens)."""
-    from sampler.kernels.pipeline import LaunchConfig, launch_config
-    from tests.sampler.test_triton_kernels import _run_chunked, _top_k_batch
-
-    config = LaunchConfig(**{**{f: getattr(launch_config(1), f)
-                                for f in LaunchConfig.__slots__}, "chunked": True})
-    settled = total = 0
-    for b in range(30):
-        rows, vocab = (16, 151936) if b % 2 else (13, 32000)
-        draw = b >= 20  # rows without top-k too, the draw-first paths on (no thresholds)
-        sampler, slots = _top_k_batch(500 + b, rows, vocab, greedy_only=b % 5 == 0,
-                                      top_k=(0, 0, 20, 50) if draw else (1, 5, 20, 50, 300))
-        logits = (torch.randn(rows, vocab, device=DEV) * (1 + b % 4)).to(
-            torch.bfloat16 if b % 3 else torch.float32)
-        ref, fused, out, flags, thr_fused, thr_chunked = _run_chunked(
-            sampler, slots, logits, config, thresholds=not draw)
-        assert flags is not None
-        settled += sum(f != 0 for f in flags)
-        total += rows
-        assert torch.equal(out.token_ids, fused.token_ids), f"batch {b}"
-        if not draw:
-            assert torch.equal(thr_chunked, thr_fused), f"batch {b}"
-        assert torch.equal(out.ranks, ref.ranks)
-        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5,
-                                   equal_nan=True)
-    print(f"rows settled by the chunked pipeline: {settled} of {total}")
-    assert settled > 0
-
-
-def test_pipelined_row_passes_give_identical_outputs():
-    """The row-pass loops software-pipelined (``LaunchConfig.stages`` 3: tile loads run ahead
-    through shared memory) against the plain loops: the same arithmetic, so every output is
-    bit-identical, on random batches of every feature (greedy, top-k / top-p / min-p,
-    penalties, bad words, logprobs, bf16 and float32 logits)."""
-    import dataclasses
-
-    from sampler.kernels.pipeline import launch_config, run_pipeline_triton, set_launch_config
-    from tests.sampler.test_triton_kernels import step_inputs
-
-    base = launch_config(1)
-    outs = {}
-    try:
-        for stages in (1, 3):
-            set_launch_config(dataclasses.replace(base, stages=stages))
-            outs[stages] = []
-            for b in range(24):
-                rows, vocab = (24, 151936) if b % 2 else (9, 32000)
-                sampler, slots = make_batch(700 + b, rows, vocab, max_num_seqs=32)
-                g = torch.Generator(device="cpu").manual_seed(b)
-                logits = (torch.randn(rows, vocab, generator=g) * (1 + b % 4)).to(
-                    DEV, torch.bfloat16 if b % 3 else torch.float32)
-                state, plan, idx = step_inputs(sampler, slots)
-                outs[stages].append(run_pipeline_triton(logits, idx, state, plan, inplace=False))
-    finally:
-        set_launch_config(None)
-    for b, (one, three) in enumerate(zip(outs[1], outs[3])):
-        for field in ("token_ids", "logprobs", "ranks", "topk_ids", "topk_values"):
-            x, y = getattr(one, field), getattr(three, field)
-            assert (x is None) == (y is None), f"batch {b} {field}"
-            if x is not None:
-                assert torch.equal(x.nan_to_num(), y.nan_to_num()) if x.is_floating_point() \
-                    else torch.equal(x, y), f"batch {b} {field}"
-
-
 @pytest.mark.parametrize("workload", ["full", "greedy_sampled_logprob", "greedy_logprobs"])
 def test_candidate_path_on_the_benchmark_workloads(workload):
     """sampler_bench's workloads at 256 rows x 151,936 (bf16): every row settles on the
@@ -290,7 +222,7 @@ def test_candidate_path_on_the_benchmark_workloads(workload):
     logprobs."""
     import dataclasses
 
-    from sampler.kernels.pipeline import launch_config, set_launch_config
+    from sampler.kernels.kernel_config import launch_config, set_launch_config
 
     set_launch_config(dataclasses.replace(launch_config(151936), greedy_split=False,
                                           greedy_one=False))
@@ -305,7 +237,8 @@ def test_greedy_steps_in_one_launch_on_the_benchmark_workloads(workload):
     """The all-greedy benchmark workloads at 256 rows x 151,936 (bf16) at the default launch
     config (one launch a step, each row finished by its last chunk program): four steps of
     the stateful Triton sampler give the torch sampler's tokens, logprobs and ranks."""
-    from sampler.kernels.pipeline import greedy_one, launch_config
+    from sampler.kernels.kernel_config import launch_config
+    from sampler.kernels.launcher import greedy_one
 
     probe = Sampler(1, 151936, device=DEV, eos_token_ids=[0])
     probe.add_request(0, SamplingParams(temperature=0.0, logprobs=0), [1], seed=0)
@@ -319,7 +252,7 @@ def _candidate_path_on(workload: str, check_path: bool = True) -> None:
     import random
     from pathlib import Path
 
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
     from tests.sampler.test_triton_kernels import assert_same
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "sampler_bench.py"

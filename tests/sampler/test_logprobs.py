@@ -1,4 +1,4 @@
-"""Logprob modes, ranks and top-k (SAMPLER_SPEC §3)."""
+"""Logprob modes, ranks and top-k (docs/sampler.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""allowed_token_ids, bad words, min_tokens and logit_bias (SAMPLER_SPEC §2 steps 2–5)."""
+"""allowed_token_ids, bad words, min_tokens and logit_bias (docs/sampler.md §2 steps 2–5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SamplingParams: defaults, validation rules (SAMPLER_SPEC §1), construction helpers."""
+"""SamplingParams: defaults, validation rules (docs/sampler.md §1), construction helpers."""
 
 from __future__ import annotations
 

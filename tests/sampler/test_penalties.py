@@ -1,4 +1,4 @@
-"""Repetition / frequency / presence penalties (SAMPLER_SPEC §2 step 6)."""
+"""Repetition / frequency / presence penalties (docs/sampler.md §2 step 6)."""
 
 from __future__ import annotations
 

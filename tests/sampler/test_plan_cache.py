@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import sampler.plan as plan_module
+import sampler.step_plan as plan_module
 from sampler import Sampler, SamplingParams
-from sampler.plan import PlanCache, make_plan
+from sampler.step_plan import PlanCache, make_plan
 
 VOCAB = 64
 CHOICES = (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sampler import LOGPROBS_MODES, AsyncOutput, Sampler, SamplingParams, derive_seed, sample_logits
-from sampler.output import SamplerOutput
+from sampler.sampler_output import SamplerOutput
 
 from tests.sampler.helpers import assert_same_output
 

@@ -141,7 +141,7 @@ def test_triton_backend_with_masks_equals_torch(vocab, monkeypatch):
     """Masked and unmasked rows of every sampling kind: the Triton kernels (not the torch
     fallback) draw the tokens the torch path draws (counter-based noise), with the same raw
     logprobs."""
-    import sampler.kernels.pipeline as kp
+    import sampler.kernels.launcher as kp
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("the Triton backend fell back to the torch path")

@@ -89,13 +89,9 @@ def test_triton_equals_the_fused_kernels_modes():
     tokens = got["raw_logprobs"][0]
     t = torch.tensor([x or 1.0 for x in temps], device=DEVICE)
     raw, temp = compute_token_logprobs(logits, tokens, t, backend="triton")
-    from sampler.kernels.pipeline import launch_config
-
-    # the same accumulators as the fused kernel's one-pass statistics (bit for bit); a split
-    # statistics pass combines partials in another order (rounding only)
-    atol = 0.0 if launch_config(vocab).split == 0 else 1e-6
-    torch.testing.assert_close(raw, got["raw_logprobs"][1], rtol=0, atol=atol)
-    torch.testing.assert_close(temp, got["temperature_logprobs"][1], rtol=0, atol=atol)
+    # the same accumulators as the fused kernel's one-pass statistics (bit for bit)
+    torch.testing.assert_close(raw, got["raw_logprobs"][1], rtol=0, atol=0.0)
+    torch.testing.assert_close(temp, got["temperature_logprobs"][1], rtol=0, atol=0.0)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

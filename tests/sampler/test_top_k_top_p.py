@@ -1,4 +1,4 @@
-"""Kept sets of top-k / top-p / min-p equal the oracle exactly (SAMPLER_SPEC §2 steps 9–11)."""
+"""top-k / top-p / min-p kept sets equal the oracle's exactly (docs/sampler.md §2 steps 9–11)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from sampler import SamplingParams
 from sampler.ops.top_k_top_p import apply_top_k_top_p
-from sampler.reference import reference_top_p_keep
+from tests.sampler.reference import reference_top_p_keep
 
 from tests.sampler.helpers import oracle_rows, random_logits, run_sampler
 

@@ -13,7 +13,7 @@ from sampler import Sampler, SamplingParams
 from sampler.backends import available_backends
 from sampler.ops.gumbel import compute_gumbel_noise, compute_hash_bits, compute_row_keys
 from sampler.pipeline import run_pipeline
-from sampler.plan import make_plan
+from sampler.step_plan import make_plan
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE),
@@ -71,7 +71,7 @@ def step_inputs(sampler: Sampler, slots: np.ndarray):
 
 
 def both_backends(sampler: Sampler, slots: np.ndarray, logits: torch.Tensor):
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
 
     state, plan, idx = step_inputs(sampler, slots)
     ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
@@ -100,7 +100,7 @@ def _without_candidates():
     (the tests of the fused kernel's own paths)."""
     import dataclasses
 
-    from sampler.kernels.pipeline import launch_config
+    from sampler.kernels.kernel_config import launch_config
 
     return dataclasses.replace(launch_config(1000), cand=False)
 
@@ -110,7 +110,7 @@ def _without_candidates():
 def test_fused_kernel_matches_torch_pipeline(seed, cand):
     """Random batches (every feature): the default path (the candidate path's rows beside
     the fused kernel's) and the fused kernel alone equal torch."""
-    from sampler.kernels.pipeline import set_launch_config
+    from sampler.kernels.kernel_config import set_launch_config
 
     rows, vocab = (7, 1000) if seed % 2 else (3, 111)
     sampler, slots = make_batch(seed, rows, vocab)
@@ -130,7 +130,7 @@ def test_fused_kernel_matches_torch_pipeline(seed, cand):
 def test_kept_sets_equal_oracle(seed, cand):
     """The kernel's kept set {t : processed_t / T >= threshold} is the torch pipeline's
     (default path and fused kernel alone)."""
-    from sampler.kernels.pipeline import set_launch_config
+    from sampler.kernels.kernel_config import set_launch_config
 
     set_launch_config(None if cand else _without_candidates())
     try:
@@ -146,7 +146,7 @@ def _kept_sets_equal_oracle(seed):
     logits = torch.randn(rows, vocab, generator=g).mul(2.0).to(DEVICE)
     if seed == 3:  # ties everywhere
         logits = torch.round(logits * 2) / 2
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
 
     state, plan, idx = step_inputs(sampler, slots)
     processed = logits.clone()
@@ -173,7 +173,7 @@ def test_tie_group_larger_than_the_candidate_list_at_the_boundary():
     """A run of equal values longer than the candidate list straddles the top-k / top-p
     boundary (bf16 logits make such runs): refinement cannot split it and must keep it whole
     (tie-extended), never collapse the boundary bin."""
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
 
     vocab = 600
     specs = [SamplingParams(top_p=0.5, seed=1), SamplingParams(top_k=100, seed=2),
@@ -253,7 +253,7 @@ def test_draw_then_verify_takes_both_branches(ties):
 
 def test_seeded_draw_independent_of_batch():
     """The same seeded row gives the same token alone and in a batch, in another slot."""
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
 
     vocab = 500
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
@@ -333,7 +333,7 @@ def test_all_greedy_steps_with_sampled_logprobs(greedy_split, cand):
     kernel only combines them (the greedy split); that, the fused kernel alone and the
     candidate path equal torch, penalties and bias that move the argmax away from the raw one
     (rank counted over the row) included."""
-    from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
     set_launch_config(LaunchConfig(**{**{f: getattr(base, f) for f in LaunchConfig.__slots__},
@@ -373,8 +373,8 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs, cand)
     is kept in registers, with them it is read again) and greedy rows beside a random one
     (the candidate path, or with it off the fused kernel's pass 1, the best tile read
     again)."""
-    from sampler.kernels.pipeline import (LaunchConfig, launch_config, run_pipeline_triton,
-                                          set_launch_config)
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
+    from sampler.kernels.launcher import run_pipeline_triton
 
     rows, vocab = 5, 1000
     sampler = Sampler(8, vocab, device=DEVICE, eos_token_ids=[2])
@@ -409,7 +409,7 @@ def test_greedy_ties_go_to_the_lowest_id(dtype, with_random_row, logprobs, cand)
 
 def test_processing_kernel_matches_torch_ops():
     """Steps 2-6 alone: penalties, bias, bans, min_tokens, allowed (bit for bit in fp32)."""
-    from sampler.kernels.pipeline import compute_bad_word_bans
+    from sampler.kernels.tables import compute_bad_word_bans
     from sampler.kernels.process import apply_processing
 
     rows, vocab = 7, 300
@@ -479,7 +479,7 @@ def test_stateful_sampler_triton_equals_torch_over_steps():
 
 def test_sliced_vocab_and_bf16():
     """A vocab slice of a padded bf16 tensor (non-contiguous rows) works."""
-    from sampler.kernels.pipeline import run_pipeline_triton
+    from sampler.kernels.launcher import run_pipeline_triton
 
     vocab = 250
     sampler, slots = make_batch(11, 5, vocab)
@@ -493,16 +493,15 @@ def test_sliced_vocab_and_bf16():
     assert torch.equal(logits, before)  # the raw snapshot stays pristine
 
 
-@pytest.mark.parametrize("hist,skip,split", [(False, False, 0), (True, True, 512)])
-def test_kernel_variants_agree(hist, skip, split):
-    """Per-lane bin counts, the no-skip sampling pass and pass 1 split over vocab chunks (a
-    separate kernel) give the torch pipeline's results too."""
-    from sampler.kernels.pipeline import LaunchConfig, launch_config, set_launch_config
+@pytest.mark.parametrize("hist,skip", [(False, False), (True, True)])
+def test_kernel_variants_agree(hist, skip):
+    """Per-lane bin counts and the no-skip sampling pass give the torch pipeline's results
+    too (as do the defaults, histograms and skipped tiles)."""
+    from sampler.kernels.kernel_config import LaunchConfig, launch_config, set_launch_config
 
     base = launch_config(1000)
-    block = 256 if split else base.block
-    set_launch_config(LaunchConfig(block=block, num_warps=base.num_warps, cap=base.cap,
-                                   hist=hist, skip=skip, split=split, cand=False))
+    set_launch_config(LaunchConfig(block=base.block, num_warps=base.num_warps, cap=base.cap,
+                                   hist=hist, skip=skip, cand=False))
     try:
         rows, vocab = 7, 1000
         sampler, slots = make_batch(77, rows, vocab)
@@ -513,16 +512,16 @@ def test_kernel_variants_agree(hist, skip, split):
         set_launch_config(None)
 
 
-@pytest.mark.parametrize("split", [0, 512])
-def test_prefetch_depths_give_identical_outputs(split):
+def test_prefetch_depths_give_identical_outputs():
     """The row-pass loops requesting tiles 0, 1 or 2 iterations ahead (``LaunchConfig.prefetch``;
     several tiles per row, the last one partial): every output bit the same, and the torch
     pipeline's results; with and without the draw-first paths."""
     import dataclasses
 
-    from sampler.kernels.pipeline import launch_config, run_pipeline_triton, set_launch_config
+    from sampler.kernels.kernel_config import launch_config, set_launch_config
+    from sampler.kernels.launcher import run_pipeline_triton
 
-    base = dataclasses.replace(launch_config(1000), block=128, split=split, cand=False)
+    base = dataclasses.replace(launch_config(1000), block=128, cand=False)
     rows, vocab = 9, 1000
     sampler, slots = make_batch(91, rows, vocab)
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 2
@@ -552,15 +551,6 @@ def test_prefetch_depths_give_identical_outputs(split):
         torch.testing.assert_close(thr, outs[0][1], **exact)
 
 
-def _chunked_config(**over):
-    from sampler.kernels.pipeline import LaunchConfig, launch_config
-
-    base = launch_config(1000)
-    fields = dict(block=base.block, num_warps=base.num_warps, cap=base.cap, chunked=True,
-                  chunk=256, chunk_block=64, chunk_warps=4, lanes=8)
-    return LaunchConfig(**{**fields, **over})
-
-
 def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False,
                  top_k=(1, 5, 20, 50, 300)):
     """:func:`make_batch` with 30% greedy rows (or only greedy ones) and the random rows'
@@ -568,111 +558,11 @@ def _top_k_batch(seed: int, rows: int, vocab: int, *, greedy_only: bool = False,
     return make_batch(seed, rows, vocab, greedy=1.0 if greedy_only else 0.3, top_k=top_k)
 
 
-def _run_chunked(sampler, slots, logits, config, *, thresholds: bool = True):
-    """(torch output, fused kernel output, chunked output, chunked row flags, thresholds of
-    both kernels). Asking for thresholds turns both kernels' draw-first paths off."""
-    import sampler.kernels.pipeline as launcher
-    from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
-
-    state, plan, idx = step_inputs(sampler, slots)
-    ref = run_pipeline(logits.clone(), idx, state, plan, inplace=True)
-    thr_fused = torch.empty(len(slots), dtype=torch.float32, device=DEVICE)
-    fused = run_pipeline_triton(logits, idx, state, plan, inplace=False,
-                                thresholds=thr_fused if thresholds else None)
-    flags = []
-    real = launcher._run_chunked
-
-    def recording(*args, **kwargs):
-        nchunk, ran = real(*args, **kwargs)
-        flags.append(ran.flags.clone())
-        return nchunk, ran
-
-    thr_chunked = torch.empty_like(thr_fused)
-    set_launch_config(config)
-    launcher._run_chunked = recording
-    try:
-        out = run_pipeline_triton(logits, idx, state, plan, inplace=False,
-                                  thresholds=thr_chunked if thresholds else None)
-    finally:
-        launcher._run_chunked = real
-        set_launch_config(None)
-    return ref, fused, out, (flags[0].tolist() if flags else None), thr_fused, thr_chunked
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_chunked_pipeline_matches_fused_kernel_and_torch(seed):
-    """Greedy and top-k rows (with top-p, min-p, penalties, bias, bad words, min_tokens and
-    every raw logprobs mode) on the chunked pipeline: the torch pipeline's results and the
-    fused kernel's tokens and kept-set thresholds, whether a row was settled by the chunks
-    (flag 1), needed the rank count (2) or was left to the fused kernel (0)."""
-    rows, vocab = 7, 600
-    sampler, slots = _top_k_batch(seed, rows, vocab)
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
-    if seed % 3 == 1:
-        logits = logits.to(torch.bfloat16)
-    if seed % 3 == 2:  # ties everywhere
-        logits = torch.round(logits * 2) / 2
-    ref, fused, out, flags, thr_fused, thr_chunked = _run_chunked(
-        sampler, slots, logits.to(DEVICE), _chunked_config())
-    assert flags is not None, "the chunked pipeline did not run"
-    assert set(flags) <= {0, 1, 2} and 1 in flags
-    assert_same(ref, out)
-    assert torch.equal(out.token_ids, fused.token_ids)
-    assert torch.equal(thr_chunked, thr_fused)
-
-
-def test_chunked_pipeline_paths():
-    """Greedy-only batches settle every row in the chunks; a candidate list too short for the
-    top-k leaves the rows to the fused kernel, and so does a random row without top-k (its
-    batch-mates still settle in the chunks)."""
-    rows, vocab = 5, 700
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    sampler, slots = _top_k_batch(11, rows, vocab, greedy_only=True)
-    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
-    assert set(flags) <= {1, 2}
-    assert_same(ref, out)
-
-    # greedy, sampled-token logprob only (no lists): the fused kernel is not launched; the
-    # biased rows sample below the raw maximum, their ranks come from the count
-    sampler = Sampler(16, vocab, device=DEVICE, eos_token_ids=[2], backend="torch")
-    slots = np.array([3, 9, 0, 12, 5])
-    for j, slot in enumerate(slots):
-        params = SamplingParams(temperature=0.0, logprobs=0, seed=j,
-                                logit_bias={3 + j: 100.0} if j % 2 else None)
-        sampler.add_request(int(slot), params, list(range(0, 600, 7)), seed=j)
-    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
-    assert set(flags) <= {1, 2} and 2 in flags
-    assert_same(ref, out)
-    for slot in slots:  # unprocessed: the raw maximum, rank 1 without a count
-        sampler.remove_request(int(slot))
-        sampler.add_request(int(slot), SamplingParams(temperature=0.0, logprobs=0), [1],
-                            seed=0)
-    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, logits, _chunked_config())
-    assert set(flags) == {1} and out.ranks.tolist() == [1] * len(slots)
-    assert_same(ref, out)
-
-    sampler, slots = _top_k_batch(12, rows, vocab)
-    ref, fused, out, flags, _, _ = _run_chunked(sampler, slots, logits * 3,
-                                                _chunked_config(cap=32, lanes=2))
-    assert 0 in flags  # top-k 20 / 50 / 300 above 6 lane maxima: every survivor, > 32
-    assert_same(ref, out)
-    assert torch.equal(out.token_ids, fused.token_ids)
-
-    sampler, slots = _top_k_batch(13, rows, vocab)
-    sampler.add_request(int(np.setdiff1d(np.arange(16), slots)[0]),
-                        SamplingParams(temperature=1.0, seed=5, max_tokens=5), [1, 2], seed=5)
-    slots = np.append(slots, np.setdiff1d(np.arange(16), slots)[0])
-    ref, _, out, flags, _, _ = _run_chunked(sampler, slots, torch.cat([logits, logits[:1]]),
-                                            _chunked_config())
-    assert flags[-1] == 0 and 1 in flags[:-1]  # the row without top-k: the fused kernel's
-    assert_same(ref, out)
-
-
-def test_chunked_rows_do_not_depend_on_batch_mates():
-    """A row's path (chunks or fused kernel) and results are its own: each row of a mixed
-    batch (top-k rows, greedy rows, a random row without top-k) run alone gives the same
-    token, logprob, rank and top-k as in the batch."""
-    from sampler.kernels.pipeline import run_pipeline_triton, set_launch_config
+def test_rows_do_not_depend_on_batch_mates():
+    """A row's path (candidate path or fused kernel) and results are its own: each row of a
+    mixed batch (top-k rows, greedy rows, a random row without top-k) run alone gives the
+    same token, logprob, rank and top-k as in the batch."""
+    from sampler.kernels.launcher import run_pipeline_triton
 
     rows, vocab = 5, 600
     sampler, slots = _top_k_batch(21, rows, vocab)
@@ -688,38 +578,15 @@ def test_chunked_rows_do_not_depend_on_batch_mates():
         idx = torch.as_tensor(slots[sel], dtype=torch.int64, device=DEVICE)
         return run_pipeline_triton(logits[sel].to(DEVICE), idx, state,
                                    make_plan(state, slots[sel]), inplace=False)
-    set_launch_config(_chunked_config())
-    try:
-        together = run(np.arange(rows + 1))
-        for r in range(rows + 1):
-            alone = run(np.array([r]))
-            assert together.token_ids[r] == alone.token_ids[0], f"row {r}"
-            assert torch.equal(together.logprobs[r:r + 1], alone.logprobs)
-            assert together.ranks[r] == alone.ranks[0]
-            if alone.topk_ids is None:  # logprobs=0: padding in the batch
-                assert (together.topk_ids[r] == -1).all()
-            else:
-                k = alone.topk_ids.shape[1]
-                assert torch.equal(together.topk_ids[r, :k], alone.topk_ids[0])
-                assert torch.equal(together.topk_values[r, :k], alone.topk_values[0])
-    finally:
-        set_launch_config(None)
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_chunked_draw_then_verify(seed):
-    """Random rows without top-k (top-p, min-p, plain) next to top-k and greedy rows: the
-    chunked draw-then-verify rounds settle them with the torch pipeline's and the fused
-    kernel's tokens."""
-    rows, vocab = 8, 600
-    sampler, slots = _top_k_batch(40 + seed, rows, vocab, top_k=(0, 0, 0, 20))
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
-    logits = (logits * (1 + seed)).to(torch.bfloat16 if seed == 1 else torch.float32)
-    ref, fused, out, flags, _, _ = _run_chunked(sampler, slots, logits.to(DEVICE),
-                                                _chunked_config(), thresholds=False)
-    state = sampler.state
-    no_top_k = [r for r, slot in enumerate(slots)
-                if not state.is_greedy[slot] and int(state.iparams_host[slot, 2]) == 0]
-    assert no_top_k and all(flags[r] in (1, 2) for r in no_top_k), (no_top_k, flags)
-    assert_same(ref, out)
-    assert torch.equal(out.token_ids, fused.token_ids)
+    together = run(np.arange(rows + 1))
+    for r in range(rows + 1):
+        alone = run(np.array([r]))
+        assert together.token_ids[r] == alone.token_ids[0], f"row {r}"
+        assert torch.equal(together.logprobs[r:r + 1], alone.logprobs)
+        assert together.ranks[r] == alone.ranks[0]
+        if alone.topk_ids is None:  # logprobs=0: padding in the batch
+            assert (together.topk_ids[r] == -1).all()
+        else:
+            k = alone.topk_ids.shape[1]
+            assert torch.equal(together.topk_ids[r, :k], alone.topk_ids[0])
+            assert torch.equal(together.topk_values[r, :k], alone.topk_values[0])

@@ -8,7 +8,7 @@ import toolkit
 
 
 def test_exports_resolve():
-    from actors.outputs import GenerationOutput
+    from actors.engine.generation_output import GenerationOutput
     from jobs.config import JobConfig
     from jobs.progress import JobResult
     from jobs.runner import run_job

@@ -58,7 +58,7 @@ def test_unwritable_output_fails_before_ray(tmp_path, capsys, tiny_llama, no_ray
 
 def test_other_config_in_the_same_output_is_refused(tmp_path, capsys, tiny_llama, no_ray):
     from jobs.config import load_config
-    from jobs.inputs import discover
+    from jobs.sources import discover
     from jobs.manifest import Manifest
     from jobs.plan import plan_document, plan_shards
     from jobs.storage import resolve

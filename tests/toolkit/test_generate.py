@@ -77,3 +77,24 @@ def test_structured_outputs(tiny_llama):
     outs = generate(["Go", "Go"], params, model=tiny_llama, **OPTIONS)
     assert outs[0].output_text in ("left", "right") and outs[0].finish_reason == "stop"
     assert len(outs[1].output_text) == 4 and set(outs[1].output_text) <= {"a", "b"}
+
+
+def test_tensor_parallel_generate_and_no_rank_left_behind(tiny_llama):
+    import os
+
+    gen_module = sys.modules["toolkit.generate"]
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["Hello there", [5, 6, 7, 8]]
+    one = [o.output_token_ids for o in generate(prompts, params, model=tiny_llama, **OPTIONS,
+                                                  device="cpu")]
+    two = generate(prompts, params, model=tiny_llama, device="cpu", tensor_parallel_size=2,
+                   **OPTIONS)
+    assert [o.output_token_ids for o in two] == one
+    engine = gen_module._cached[1]
+    (pid,) = engine.replica.pids
+    os.kill(pid, 0)  # alive while the engine is kept
+    clear_engine_cache()
+    assert engine.replica.procs[0].poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from actors.schema import OUTPUT_COLUMNS
+from actors.contract.schema import OUTPUT_COLUMNS
 from tests.actors.helpers import hf_logits, random_prompts
-from tests.actors.test_weights import hf_greedy, other_model
+from tests.actors.engine.test_weights import hf_greedy, other_model
 from toolkit.rollout import split_by_samples
 
 pytestmark = pytest.mark.ray

@@ -1,0 +1,505 @@
+"""The engine: requests in, finished ``GenerationOutput`` rows out, one ``step()`` at a time.
+
+A step schedules work (continuous batching over a paged KV cache), launches it on the device,
+and only then reads back the *previous* step's sampled tokens to detokenize and check stops,
+so on a GPU the host work overlaps the device work. Tokens a step sampled for a sequence that
+the previous step finished are dropped.
+
+Threading: ``add_request`` and ``abort_request`` may be called from any thread at any time
+(they queue; the next ``step()`` applies them). ``step()`` and ``generate()`` are serialised
+by a lock; one thread should drive the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from actors.engine import profiling
+from actors.engine.builder import EngineParts, build_engine_parts
+from actors.engine.engine_config import EngineConfig
+from actors.engine.executor import InflightStep, StepExecutor
+from actors.engine.generation_output import GenerationOutput
+from actors.engine.sequence import Request, Sequence
+from actors.engine.sleep import SleepController
+from actors.engine.structured import StructuredOutputs
+from actors.engine.weights import WeightLoader
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BuiltRequests", "Engine", "EngineConfig", "StepCounters"]
+
+
+@dataclass(slots=True)
+class BuiltRequests:
+    """Requests validated and tokenized ahead of ``Engine.add_requests`` (``build_requests``):
+    queue items, one per request."""
+
+    items: list[tuple]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Running totals of ``Engine.step()`` calls (a few clock reads a step): ``steps`` that
+    launched work, seconds inside ``step()`` (``busy_s``) and, of those, seconds blocked on
+    the device for the previous step's results (``device_wait_s``), and the CPU time the
+    stepping thread got outside those waits (``cpu_s``, ``time.thread_time``). Differences of
+    two snapshots describe a stretch of work: host time per step is ``(busy_s -
+    device_wait_s) / steps``; a host that keeps ahead of the device shows most of ``busy_s``
+    as waiting; host time well above ``cpu_s`` is time the thread was runnable but not
+    running (another thread holding the GIL, or no free core). ``seqs``: the sequences those
+    steps ran, summed (``seqs / steps`` is the mean batch: how full the engine was)."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    device_wait_s: float = 0.0
+    cpu_s: float = 0.0
+    seqs: int = 0
+
+    def snapshot(self) -> "StepCounters":
+        return StepCounters(self.steps, self.busy_s, self.device_wait_s, self.cpu_s, self.seqs)
+
+    def since(self, before: "StepCounters") -> "StepCounters":
+        return StepCounters(self.steps - before.steps, self.busy_s - before.busy_s,
+                            self.device_wait_s - before.device_wait_s, self.cpu_s - before.cpu_s,
+                            self.seqs - before.seqs)
+
+
+class Engine:
+    """Continuous-batching generation over one model.
+
+    Args:
+        model: local directory or hub id.
+        config: an ``EngineConfig``, a dict of its fields, or None.
+
+    Example:
+        >>> engine = Engine("/tmp/tiny-llama", {"max_num_seqs": 8})  # doctest: +SKIP
+        >>> outs = engine.generate([("a", "Hello", {"max_tokens": 4, "seed": 1})])  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str, config: EngineConfig | Mapping[str, Any] | None = None):
+        self.config = EngineConfig.coerce(config)
+        self.replica = None  # actors.engine.parallel.replica.Replica with tensor parallelism
+        if self.config.tensor_parallel_size > 1:
+            from actors.engine.parallel.replica import Replica
+
+            self.replica = Replica(str(model), self.config)
+        try:
+            parts: EngineParts = build_engine_parts(
+                str(model), self.config, self.replica.comm if self.replica else None)
+        except BaseException:
+            self.close()
+            raise
+        self.model_name = str(model)
+        self.startup = parts.startup  # seconds of each build phase
+        self.loaded = parts.loaded
+        self.tokenizer = parts.loaded.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.kv_cache = parts.kv_cache
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.inputs = parts.inputs
+        self.outputs = parts.outputs
+        self.structured = StructuredOutputs(
+            self.tokenizer, vocab_size=self.loaded.vocab_size,
+            eos_token_ids=self.sampler.eos_token_ids, device=self.sampler.device,
+            max_num_seqs=self.config.max_num_seqs)
+        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk,
+                                     self.structured)
+        self._compiling: list[Request] = []  # requests whose constraint is still compiling
+        self._requests: dict[Any, Request] = {}
+        self._inflight: InflightStep | None = None
+        self._ready: list[GenerationOutput] = []
+        self._inbox: list[tuple] = []  # ("add" | "built" | "reject" | "abort", id, ...)
+        self._inbox_lock = threading.Lock()
+        self._step_lock = threading.RLock()
+        self._arrivals = itertools.count()
+        self.weights = WeightLoader(self.loaded.model, parts.shard_slices)
+        self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
+        self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
+        self.counters = StepCounters()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: Any, prompt: Any, params: Any = None, *,
+                    token_logprobs: bool = False) -> None:
+        """Queues a request (thread-safe; never raises for bad request data: a bad request
+        comes back from ``step()`` as one ``finish_reason="error"`` output per sample).
+        ``token_logprobs`` also records each sampled token's ``raw_logprobs`` and
+        ``temperature_logprobs`` (``GenerationOutput`` attributes of those names)."""
+        with self._inbox_lock:
+            self._inbox.append(("add", request_id, prompt, params, bool(token_logprobs)))
+
+    def build_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
+                       token_logprobs: bool = False) -> BuiltRequests:
+        """Validates and tokenizes ``[(request_id, prompt, params)]`` on the calling thread
+        for a later ``add_requests`` (thread-safe; never raises for bad request data: those
+        requests come back from ``step()`` as error outputs, as with ``add_request``). The
+        stepping thread then only queues them: an engine server builds the next batch on the
+        thread that hands it in, while the engine still runs the previous one."""
+        return BuiltRequests([self._build(rid, prompt, params, token_logprobs)
+                              for rid, prompt, params in requests])
+
+    def add_requests(self, requests: Iterable[tuple[Any, Any, Any]] | BuiltRequests, *,
+                     fresh_prefix_cache: bool = False) -> None:
+        """Queues ``[(request_id, prompt, params)]`` (or what ``build_requests`` made of
+        them) in one go (thread-safe): the next ``step()`` admits all of them, so no step
+        ever sees part of the batch. ``fresh_prefix_cache`` first forgets the prefix cache
+        (waiting for a running step); called while no request is unfinished, it makes the
+        batch's schedule, and so its results, depend on the batch alone and not on what ran
+        before it."""
+        if isinstance(requests, BuiltRequests):
+            items = requests.items
+        else:
+            items = [("add", rid, prompt, params) for rid, prompt, params in requests]
+        if fresh_prefix_cache:
+            with self._step_lock:
+                self.scheduler.bm.reset_prefix_cache()
+        with self._inbox_lock:
+            self._inbox.extend(items)
+
+    def abort_request(self, request_id: Any) -> None:
+        """Stops a request; its samples come back from ``step()`` with finish_reason "abort"
+        (thread-safe; unknown or finished ids are ignored)."""
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id, None, None))
+
+    def has_unfinished_requests(self) -> bool:
+        with self._inbox_lock:
+            queued = bool(self._inbox)
+        return queued or bool(self._requests or self._ready or self._inflight is not None)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            kind = item[0]
+            if kind == "add":
+                item = self._build(*item[1:])
+                kind = item[0]
+            if kind == "built":
+                self._add(item[2])
+            elif kind == "reject":
+                self._reject(*item[1:])
+            else:
+                self._abort(item[1])
+
+    def _build(self, request_id: Any, prompt: Any, params: Any,
+               token_logprobs: bool = False) -> tuple:
+        """("built", id, Request) or ("reject", id, params, reason); any thread."""
+        try:
+            hash(request_id)
+        except TypeError:
+            return ("reject", request_id, params, f"request id {request_id!r:.80} is not hashable")
+        try:
+            request = self.inputs.build(request_id, prompt, params, -1)
+        except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
+            logger.debug("request %r rejected: %s", request_id, exc)
+            return ("reject", request_id, params, str(exc))
+        request.token_logprobs = token_logprobs
+        return ("built", request_id, request)
+
+    def _add(self, request: Request) -> None:
+        request_id = request.request_id
+        if request_id in self._requests:
+            self._reject(request_id, request.params,
+                         f"request id {request_id!r} is already running")
+            return
+        request.arrival = next(self._arrivals)
+        seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
+        request.sequences.append(seq)
+        self._requests[request_id] = request
+        constraint = request.params.structured_outputs
+        if constraint is not None:  # compiled off this thread; admitted once it is done
+            request.grammar = self.structured.submit(constraint)
+            if request.params.min_tokens:  # the grammar alone decides where the text may end
+                request.params = request.params.replace(min_tokens=0)
+            self._compiling.append(request)
+        self.scheduler.add(seq)
+
+    def _check_compiled(self) -> None:
+        """Requests whose constraint failed to compile end as errors (before any device
+        work); the others become admissible."""
+        still = []
+        for request in self._compiling:
+            if not request.grammar.done():
+                still.append(request)
+                continue
+            error = request.grammar.result().error
+            if error is None or self._requests.get(request.request_id) is not request:
+                continue
+            for seq in request.sequences:
+                self.scheduler.finish(seq)
+            self._requests.pop(request.request_id, None)
+            self._ready += self.outputs.error_outputs(
+                request.request_id, request.params.n, error, seed=request.seed,
+                num_prompt_tokens=request.num_prompt_tokens)
+        self._compiling = still
+
+    def _reject(self, request_id: Any, params: Any, reason: str) -> None:
+        """Error outputs for a request that cannot run (n and seed as far as its params can
+        be read: they are parsed only here, off the path of good requests)."""
+        n, seed = self.inputs.describe(request_id, params)
+        self._ready += self.outputs.error_outputs(request_id, n, reason, seed=seed)
+
+    def _abort(self, request_id: Any) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in list(request.sequences):
+            if not seq.is_finished:
+                self.outputs.abort(seq)
+                self._ready.append(self._finish(seq))
+        for j in range(len(request.sequences), request.params.n):  # never forked
+            self._ready.append(GenerationOutput(
+                id=request_id, sample_index=j, finish_reason="abort",
+                output_text="" if request.params.detokenize else None,
+                num_prompt_tokens=request.num_prompt_tokens, seed=request.seed))
+        self._requests.pop(request_id, None)
+
+    def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
+        for slot in self.scheduler.finish(seq):
+            self.sampler.remove_request(slot)
+        self.structured.release(seq)
+        request = seq.request
+        request.num_unfinished -= 1
+        if request.num_unfinished <= 0:
+            self._requests.pop(request.request_id, None)
+        return self.outputs.build(seq, top)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[GenerationOutput]:
+        """Runs one step; returns the outputs of the samples that finished (or failed)."""
+        with self._step_lock:
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            wait_before, cpu_before = self.counters.device_wait_s, self.counters.cpu_s
+            if self._blocked is not None and self.has_unfinished_requests():
+                raise RuntimeError(self._blocked)
+            if self.replica is not None:
+                self.replica.check_alive()
+            self._drain_inbox()
+            if self._compiling:
+                self._check_compiled()
+            sched = self.scheduler.schedule()
+            if sched.is_empty and self._inflight is None and self._compiling:
+                # nothing can run until a constraint compiles: wait for one, not spin
+                self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
+            for slot in sched.released_slots:
+                self.sampler.remove_request(slot)
+            for seq in sched.admitted:
+                self._admit_to_sampler(seq)
+            launched = None if sched.is_empty else self.executor.launch(sched, self._inflight)
+            if self._inflight is not None:
+                self._process(self._inflight)
+            self._inflight = launched
+            ready, self._ready = self._ready, []
+            counters = self.counters
+            if launched is not None:
+                counters.steps += 1
+                counters.seqs += len(sched.seqs)
+            busy = time.perf_counter() - started
+            counters.busy_s += busy
+            counters.cpu_s += time.thread_time() - cpu_started
+            if profiling.trace is not None:  # RAYGEN_TRACE_DIR: a timeline for diagnosis
+                profiling.trace.step(time.time(), busy, counters.device_wait_s - wait_before,
+                                     counters.cpu_s - cpu_before, sum(sched.num_new))
+            return ready
+
+    def _admit_to_sampler(self, seq: Sequence) -> None:
+        request = seq.request
+        self.outputs.start(seq)
+        if request.grammar is not None:
+            self.structured.start(seq)
+        self.sampler.add_request(
+            seq.slot, request.params, request.prompt_token_ids, seed=request.seed,
+            sample_index=seq.sample_index, output_token_ids=seq.output_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids)
+
+    def _process(self, step: InflightStep) -> None:
+        for scores in step.prompt_scores:
+            host = scores.output.get()
+            self.outputs.record_prompt_logprobs(
+                scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
+        if step.output is None:
+            return
+        waited, cpu_waited = time.perf_counter(), time.thread_time()
+        host = step.output.get()
+        counters = self.counters
+        counters.device_wait_s += time.perf_counter() - waited
+        counters.cpu_s -= time.thread_time() - cpu_waited  # a spinning wait is not host work
+        tokens = host.token_ids.tolist()
+        values = host.logprobs.tolist() if host.logprobs is not None else None
+        ranks = host.ranks.tolist() if host.ranks is not None else None
+        extra = step.token_logprobs.get().token_ids.tolist() \
+            if step.token_logprobs is not None else None
+        outputs = self.outputs
+        done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra, values,
+                                  ranks, host.topk_ids, host.topk_values)
+        if done:  # after the logprobs: a finished sequence's output is built now
+            tops = outputs.top_logprobs_of(done)
+            for seq in done:
+                self._ready.append(self._finish(seq, tops.get(id(seq))))
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,
+                 token_logprobs: bool = False) -> list[GenerationOutput]:
+        """Runs ``[(request_id, prompt, params)]`` to completion; returns their outputs in
+        request order, then sample_index. Outputs of other requests finishing meanwhile are
+        kept for the next ``step()``. ``token_logprobs``: as in ``add_request``."""
+        requests = list(requests)
+        order = {rid: i for i, (rid, _, _) in enumerate(requests)}
+        if len(order) != len(requests):
+            raise ValueError("generate: request ids must be unique")
+        with self._step_lock:
+            if self._blocked is not None:
+                raise RuntimeError(self._blocked)
+            for rid, prompt, params in requests:
+                self.add_request(rid, prompt, params, token_logprobs=token_logprobs)
+            mine: list[GenerationOutput] = []
+            others: list[GenerationOutput] = []
+            while True:
+                for out in self.step():
+                    (mine if out.id in order else others).append(out)
+                if not any(rid in self._requests for rid in order):
+                    break
+            self._ready = others + self._ready
+        mine.sort(key=lambda o: (order[o.id], o.sample_index))
+        return mine
+
+    def warm_up(self) -> float:
+        """Runs a full batch (``max_num_seqs``) of short requests through the engine, cycling
+        six kinds (greedy, seeded top-p, top-k, min-p with top-k and top-p, top-k logprobs,
+        sampled-token logprob), so the first real batch does not pay for compiling or
+        loading kernels, nor for growing the host buffers and pools to its size; then forgets
+        their prefix cache. Returns the seconds it took."""
+        from sampler import SamplingParams
+
+        started = time.perf_counter()
+        vocab = self.loaded.vocab_size
+        common = dict(max_tokens=8, ignore_eos=True, detokenize=False)
+        kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=1),
+                 dict(temperature=1.0, top_k=50),
+                 dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2),
+                 dict(temperature=1.0, logprobs=min(20, self.config.max_logprobs)),
+                 dict(temperature=0.0, logprobs=0)]
+        kinds = [SamplingParams(**kind, **common) for kind in kinds]
+        requests = [(f"__warm_up__.{i}", [(97 * i + 13 * j + 5) % vocab for j in range(16)],
+                     kinds[i % len(kinds)])
+                    for i in range(max(len(kinds), self.config.max_num_seqs))]
+        self.generate(requests)
+        self.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    # ------------------------------------------------------------------ RL: weights, memory
+    def update_weights(self, weights: Any) -> dict[str, Any]:
+        """Copies new weights into the model in place (nothing is read from disk) and resets
+        the prefix cache. ``weights``: a state dict, an ``actors.engine.weights.WeightPayload`` or an
+        iterable of ``(name, tensor)`` pairs, with Hugging Face state-dict names (a subset is
+        fine: e.g. one checkpoint shard per call; tied names load the same tensor).
+
+        Returns ``{"num_tensors", "num_bytes", "seconds"}``. Raises ``ValueError`` naming the
+        tensor for an unknown name, a wrong shape or dtype; ``RuntimeError`` while requests
+        are unfinished or the weights' memory is asleep (level 2: ``wake_up()`` first).
+        """
+        with self._step_lock:
+            self._quiesce("update_weights")
+            try:
+                if self.replica is None:
+                    return self.weights.load(weights)
+                from actors.engine.parallel.worker import send_weights
+                from actors.engine.weights import WeightPayload, as_tensor_pairs
+
+                items = as_tensor_pairs(weights)  # full tensors: every rank takes its slice
+                whole = isinstance(weights, (Mapping, WeightPayload))  # all or nothing
+                stats = self.weights.load(weights if whole else items)  # checked on rank 0
+                send_weights(self.replica.comm, items)
+                return stats
+            finally:  # also after a partial (iterator) update that failed midway
+                self.scheduler.bm.reset_prefix_cache()
+                self._blocked = self.memory.blocked_reason()
+
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Frees device memory of an idle engine: level 1 the KV cache, level 2 also the
+        weights (reload them with ``update_weights`` after ``wake_up``). Returns the bytes
+        freed, ``{"kv_cache": ..., "weights": ...}``; steps refuse to run until woken."""
+        with self._step_lock:
+            self._quiesce("sleep")
+            freed = self.memory.sleep(level)
+            if self.replica is not None:
+                from actors.engine.parallel.comm import OP_SLEEP
+
+                self.replica.comm.send_header(OP_SLEEP, level)
+            self.scheduler.bm.reset_prefix_cache()
+            self._blocked = self.memory.blocked_reason()
+            return freed
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Re-allocates what ``sleep`` freed (``tags`` ⊆ {"weights", "kv_cache"}; None: all)
+        and, on CUDA, captures the decode graphs again."""
+        with self._step_lock:
+            self.memory.wake_up(tags)
+            if self.replica is not None:
+                from actors.engine.parallel.comm import OP_WAKE
+                from actors.engine.parallel.worker import wake_mask
+
+                self.replica.comm.send_header(OP_WAKE, wake_mask(tags))
+            self._blocked = self.memory.blocked_reason()
+
+    def close(self) -> None:
+        """Ends the other tensor-parallel ranks (idempotent; also done when the engine is
+        garbage-collected). A one-rank engine has nothing to end."""
+        if self.replica is not None:
+            self.replica.close()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets the prefix cache (cached KV computed with other weights is never reused).
+        With tensor parallelism the cache lives on rank 0 alone: the other ranks only run the
+        block tables rank 0 sends."""
+        with self._step_lock:
+            self.scheduler.bm.reset_prefix_cache()
+
+    def _quiesce(self, what: str) -> None:
+        """Raises unless no request is unfinished; reads back a step still in flight."""
+        with self._inbox_lock:
+            queued = bool(self._inbox)
+        if queued or self._requests:
+            raise RuntimeError(f"{what}: the engine has unfinished requests; wait for them or "
+                               "abort them first")
+        while self._inflight is not None:
+            self._ready = self.step() + self._ready
+
+    def info(self) -> dict[str, Any]:
+        """Model and engine facts."""
+        return {
+            "model": self.model_name,
+            "architecture": self.loaded.architecture,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).replace("torch.", ""),
+            "vocab_size": self.loaded.vocab_size,
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.kv_cache.num_blocks,
+            "block_size": self.kv_cache.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "attention_backend": self.executor.runner.backend.name,
+            "cuda_graphs": self.executor.runner.graphs is not None,
+            "fused_layers": (None if self.executor.runner.fused is None
+                             else self.executor.runner.fused.describe()),
+            "fused_moe": (None if self.executor.runner.moe is None
+                          else self.executor.runner.moe.describe()),
+            "sleep_level": self.memory.level,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "quantization": self.loaded.quantization,
+        }
+
+    @property
+    def stats(self):
+        """Scheduler counters (prompt tokens computed, cached, preemptions, steps)."""
+        return self.scheduler.stats

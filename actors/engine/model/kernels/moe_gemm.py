@@ -1,0 +1,297 @@
+"""Routed experts of an MoE block: two grouped GEMMs over the expert-sorted pairs.
+
+``fused_experts`` computes, for each token ``t`` and its chosen experts ``e_j`` with weights
+``w_j``: ``sum_j w_j * down_e(act(gate_e(x_t), up_e(x_t)))``. Launches: the sort
+(:func:`moe_align`), the gate/up GEMM with the activation in its epilogue (intermediate rows
+in sorted order), the down GEMM with the routing weight in its epilogue (rows back in pair
+order), and the sum over each token's ``k`` rows. Each program of a GEMM owns ``block_m``
+sorted rows of one expert and one tile of that expert's weights, so at decode (a block or
+two per expert) every expert's weights are read about once. Shapes depend only on the token
+count: CUDA-graph capturable.
+
+Weight layouts are those of transformers' fused experts modules: ``ExpertLayout`` says
+whether ``gate_up`` is ``[E, 2I, H]`` (``down`` ``[E, H, I]``) or transposed
+(``[E, H, 2I]`` / ``[E, I, H]``, gpt-oss) and whether gate and up rows are the two halves
+or interleaved. Results are rounded to the activations' dtype where the torch ops round
+(after each projection, the bias, the activation's steps, the weighting), so they match
+:func:`fused_experts_torch` to float32 sum-order effects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from actors.engine.model.kernels.moe_align import moe_align
+from actors.engine.model.kernels.rounding import round_to
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """How one experts module stores and applies its weights.
+
+    Attributes:
+        transposed: ``gate_up`` is ``[E, H, 2I]`` and ``down`` ``[E, I, H]`` (x @ W).
+        interleaved: gate and up are rows ``2j`` / ``2j + 1`` (else the first / second half).
+        activation: "silu" (``silu(gate) * up``) or "swiglu_oai" (gpt-oss: gate clamped above
+            at ``limit``, up to ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+        alpha, limit: the swiglu_oai constants.
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    activation: Literal["silu", "swiglu_oai"] = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x @ weight if transposed else torch.nn.functional.linear(x, weight)
+
+
+def _activate(gate_up: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    if layout.interleaved:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    if layout.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=layout.limit)
+    up = up.clamp(min=-layout.limit, max=layout.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * layout.alpha))
+
+
+def fused_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
+                        gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle (and the CPU path): one expert at a time, the torch ops of transformers'
+    experts modules, each token's ``k`` weighted rows summed in float32."""
+    tokens, top_k = ids.shape
+    pairs = torch.zeros(tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pair = (flat == e).nonzero().squeeze(1)
+        h = _project(x[pair // top_k], gate_up[e], layout.transposed)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        h = _project(_activate(h, layout), down[e], layout.transposed)
+        if down_bias is not None:
+            h = h + down_bias[e]
+        pairs[pair] = (h * weights.reshape(-1)[pair, None]).to(x.dtype)
+    return pairs.view(tokens, top_k, -1).float().sum(1).to(x.dtype)
+
+
+@triton.jit
+def _tile(num_m, num_n, GROUP_M: tl.constexpr):
+    """This program's (row block, column tile): ``GROUP_M`` consecutive row blocks (mostly
+    one expert's) sweep all column tiles together, so their rows and that expert's weight
+    tiles are read from DRAM about once and then hit in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_m - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit(do_not_specialize=["num_m", "num_pairs"])
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_m,
+                    num_pairs, N, K, top_k, stride_xm, stride_we, stride_wn, stride_wk, up_offset,
+                    n_step, stride_be, stride_om, alpha, limit, SWIGLU: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + k[None, :]
+    g_ptrs = w_ptr + e * stride_we + (n * n_step)[None, :] * stride_wn + k[:, None] * stride_wk
+    u_ptrs = g_ptrs + up_offset * stride_wn
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BK
+        g_ptrs += BK * stride_wk
+        u_ptrs += BK * stride_wk
+    dt = out_ptr.dtype.element_ty
+    gate = round_to(acc_g, dt)
+    up = round_to(acc_u, dt)
+    if HAS_BIAS:
+        bg = b_ptr + e * stride_be + n * n_step
+        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[None, :], dt)
+        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[None, :],
+                      dt)
+    if SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(gate * alpha, dt))), dt)
+        glu = round_to(gate * sig, dt)
+        h = round_to(round_to(up + 1.0, dt) * glu, dt)
+    else:
+        h = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt) * up, dt)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_m", "num_pairs"])
+def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+                 num_m, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_be,
+                 stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + k[None, :]
+    w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BK
+        w_ptrs += BK * stride_wk
+    dt = out_ptr.dtype.element_ty
+    y = round_to(acc, dt)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = round_to(y + bias[None, :], dt)
+    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
+    y = round_to(y * rw[:, None], dt)
+    out = out_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * stride_om + n[None, :]
+    tl.store(out, y.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Rows per block (shared by the sort and both GEMMs), row blocks per group of the tile
+    order, and each GEMM's ``(block_n, block_k, num_warps, num_stages)``."""
+
+    block_m: int
+    group_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+#: (max pairs per expert, tiles), first match. Decode batches get one or two row blocks per
+#: expert, so each expert's weights are read about once; the gate/up GEMM holds two
+#: accumulators (gate and up) of ``block_m x block_n``. Prefill takes 128-row blocks, grouped
+#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2.
+_CONFIGS: tuple[tuple[int | None, TileConfig], ...] = (
+    (12, TileConfig(16, 8, (64, 128, 4, 4), (128, 128, 4, 4))),
+    (64, TileConfig(64, 8, (64, 128, 4, 3), (128, 128, 4, 3))),
+    (None, TileConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 4))),
+)
+
+
+def pick_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """The tile configuration for ``num_pairs`` (token, expert) pairs over the experts."""
+    per_expert = num_pairs / max(num_experts, 1)
+    for bound, config in _CONFIGS:
+        if bound is None or per_expert <= bound:
+            return config
+    raise AssertionError("the last entry has no bound")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, output-row, reduction) strides of ``w`` as ``[E, N, K]``."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transposed else w.stride()
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None,
+                  config: TileConfig | None = None) -> torch.Tensor:
+    """:func:`fused_experts_torch` in four launches.
+
+    Args:
+        x: ``[T, H]`` activations (contiguous rows).
+        ids: ``[T, k]`` chosen experts (int32/int64).
+        weights: ``[T, k]`` their routing weights (any float dtype).
+        gate_up, down: the experts' weights in ``layout`` (``x``'s dtype).
+        layout: see :class:`ExpertLayout`.
+        gate_up_bias, down_bias: ``[E, 2I]`` / ``[E, H]`` or None.
+        config: the tiles; None picks them by the pairs per expert (:func:`pick_config`).
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype.
+    """
+    tokens, top_k = ids.shape
+    hidden = x.shape[-1]
+    num_experts = gate_up.shape[0]
+    inter = down.shape[1] if layout.transposed else down.shape[2]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weights = weights.reshape(-1).contiguous()
+    num_pairs = tokens * top_k
+    config = config or pick_config(num_pairs, num_experts)
+    bm = config.block_m
+    sorted_pairs, block_expert = moe_align(ids, num_experts, bm)
+    blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    upcast = _interpreted()  # the interpreter's tl.dot is wrong on bf16/fp16 operands
+    h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
+    se, sn, sk = _strides(gate_up, layout.transposed)
+    up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
+    bn, bk, warps, stages = config.gate_up
+    _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
+        x, gate_up, gate_up if gate_up_bias is None else gate_up_bias, h, sorted_pairs,
+        block_expert, blocks, num_pairs, inter, hidden, top_k, x.stride(0), se, sn, sk, up_offset,
+        n_step, 0 if gate_up_bias is None else gate_up_bias.stride(0), h.stride(0),
+        float(layout.alpha), float(layout.limit), SWIGLU=layout.activation == "swiglu_oai",
+        HAS_BIAS=gate_up_bias is not None, IEEE=ieee, UPCAST=upcast, BM=bm, BN=bn, BK=bk,
+        GROUP_M=config.group_m, num_warps=warps, num_stages=stages)
+    pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    se, sn, sk = _strides(down, layout.transposed)
+    bn, bk, warps, stages = config.down
+    _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
+        h, down, down if down_bias is None else down_bias, weights, pairs, sorted_pairs,
+        block_expert, blocks, num_pairs, hidden, inter, h.stride(0), se, sn, sk,
+        0 if down_bias is None else down_bias.stride(0), pairs.stride(0),
+        HAS_BIAS=down_bias is not None, IEEE=ieee, UPCAST=upcast, BM=bm, BN=bn, BK=bk,
+        GROUP_M=config.group_m, num_warps=warps, num_stages=stages)
+    if top_k == 1:
+        return pairs
+    return pairs.view(tokens, top_k, hidden).sum(1)

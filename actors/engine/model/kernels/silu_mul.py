@@ -1,0 +1,98 @@
+"""The gated-SiLU product of Llama-family MLPs: ``silu(gate) * up``, rounded to the input dtype
+after the SiLU and after the product as the two torch ops do; ``silu_mul_fp8`` quantizes the
+(rounded) product per token to e4m3 in the same kernel, for an FP8 ``down_proj``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from actors.engine.model.kernels.fp8_quant import (
+    FP8_DTYPE,
+    quantize_rows_torch,
+    row_scale,
+    to_e4m3,
+)
+from actors.engine.model.kernels.rounding import round_to
+
+
+def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The oracle: ``act_fn(gate_proj(x)) * up_proj(x)`` with ``act_fn`` SiLU."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul_fp8_torch(gate: torch.Tensor, up: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 oracle: ``quantize_rows_torch(silu_mul_torch(gate, up))`` of ``[T, I]`` inputs."""
+    return quantize_rows_torch(silu_mul_torch(gate, up))
+
+
+@triton.jit
+def _silu_product(gate_ptr, up_ptr, offs, mask, dt: tl.constexpr):
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = round_to(g / (1.0 + tl.exp(-g)), dt)
+    return round_to(s * u, dt)
+
+
+@triton.jit(do_not_specialize=["I"])
+def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
+    """One program per row: the row's amax in a first pass, the quantized product in a second
+    (the same arithmetic, so the same values)."""
+    base = tl.program_id(0).to(tl.int64) * I
+    cols = tl.arange(0, BLOCK)
+    dt = gate_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, I, BLOCK):
+        mask = start + cols < I
+        amax = tl.maximum(amax, tl.abs(_silu_product(gate_ptr, up_ptr, base + start + cols,
+                                                     mask, dt)))
+    scale = row_scale(tl.max(amax, 0))
+    tl.store(s_ptr + tl.program_id(0), scale)
+    for start in range(0, I, BLOCK):
+        mask = start + cols < I
+        value = _silu_product(gate_ptr, up_ptr, base + start + cols, mask, dt)
+        tl.store(q_ptr + base + start + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["N"])  # the token count must not make new variants
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    s = round_to(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(out_ptr + offs, round_to(s * u, dt).to(dt), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_torch`` in one elementwise kernel (same-shape, same-dtype inputs)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        return silu_mul_torch(gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        block = 2048
+        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8)
+    return out
+
+
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_mul_fp8_torch`` in one kernel: ``gate``/``up`` ``[T, I]`` (same dtype) ->
+    ``q`` ``[T, I]`` e4m3, ``scale`` ``[T, 1]`` float32; the bf16 product is never stored."""
+    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate, up: expected two [T, I] tensors of one dtype, got "
+                         f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    rows, cols = gate.shape
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
+    if rows:
+        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
+        _silu_mul_fp8_kernel[(rows,)](gate, up, q, scale, cols, BLOCK=block,
+                                      num_warps=4 if block <= 1024 else 8)
+    return q, scale

@@ -1,0 +1,88 @@
+"""One step across the ranks: rank 0 packs the forward's inputs into one int64 tensor and
+broadcasts it (after a header of its sizes); the other ranks unpack it into the same
+``(input_ids, positions, AttentionMetadata)`` and run the same forward on their shard.
+
+Packed layout (``[N]`` int64): input ids ``[T]`` (pending decode inputs already filled in from
+the previous step's sampled ids on rank 0's device), positions ``[T]``, slot mapping ``[T]``,
+query start offsets ``[B+1]``, sequence lengths ``[B]``, block tables ``[B * max_blocks]``,
+page copies ``[C * 2]``. The header is ``[OP_STEP, T, B, max_blocks, max_query_len,
+max_seq_len, C]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.engine.model.attention import AttentionMetadata, StepContext
+from actors.engine.model.model_runner import ModelRunner, StepInputs
+from actors.engine.parallel.comm import OP_STEP, TPComm
+
+_NO_COPIES = np.zeros((0, 2), np.int64)
+
+
+def send_step(comm: TPComm, input_ids: torch.Tensor, positions: torch.Tensor,
+              metadata: AttentionMetadata, copies: np.ndarray) -> None:
+    """Rank 0: broadcasts one step's forward inputs."""
+    num_blocks = metadata.block_tables.shape[1]
+    parts = [input_ids, positions, metadata.slot_mapping, metadata.query_start_loc,
+             metadata.seq_lens, metadata.block_tables.reshape(-1),
+             torch.from_numpy(np.ascontiguousarray(copies.reshape(-1)))]
+    packed = torch.cat([p.to(comm.device, torch.int64) for p in parts])
+    comm.send_header(OP_STEP, metadata.num_tokens, metadata.num_seqs, num_blocks,
+                     metadata.max_query_len, metadata.max_seq_len, len(copies))
+    comm.broadcast(packed)
+
+
+def recv_step(comm: TPComm, header: list[int], device: torch.device, block_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """Ranks > 0: the step announced by ``header``: ids, positions, metadata, copies."""
+    _, T, B, num_blocks, max_query_len, max_seq_len, num_copies, _ = header
+    sizes = [T, T, T, B + 1, B, B * num_blocks, 2 * num_copies]
+    packed = comm.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=comm.device))
+    packed = packed.to(device)
+    ids, positions, slots, qsl, seq_lens, tables, copies = torch.split(packed, sizes)
+    qsl, seq_lens = qsl.to(torch.int32), seq_lens.to(torch.int32)
+    tables = tables.to(torch.int32).reshape(B, num_blocks)
+    metadata = AttentionMetadata(
+        num_seqs=B, num_tokens=T, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+        positions=positions, query_start_loc_host=qsl.cpu().numpy(),
+        seq_lens_host=seq_lens.cpu().numpy(), block_tables_host=tables.cpu().numpy(),
+        block_size=block_size)
+    return ids, positions, metadata, copies.reshape(-1, 2)
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0's runner: every forward of a step is broadcast to the other ranks first
+    (forwards run while ``comm.enabled`` is False, the load-time probes, stay local)."""
+
+    comm: TPComm
+
+    def execute(self, inputs: StepInputs, prev_token_ids: torch.Tensor | None
+                ) -> torch.Tensor:
+        self._copies = inputs.copies
+        try:
+            return super().execute(inputs, prev_token_ids)
+        finally:
+            self._copies = _NO_COPIES
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        if self.comm.enabled:
+            send_step(self.comm, input_ids, positions, ctx.metadata,
+                      getattr(self, "_copies", _NO_COPIES))
+        return super().forward(input_ids, positions, ctx)
+
+
+def run_worker_step(runner: ModelRunner, comm: TPComm, header: list[int]) -> None:
+    """Ranks > 0: runs the announced step's forward on this shard, then its page copies."""
+    ids, positions, metadata, copies = recv_step(comm, header, runner.device,
+                                                 runner.block_size)
+    backend = runner.backend
+    runner.staging.begin_uploads()
+    ctx = StepContext(backend, metadata, backend.plan(metadata))
+    runner.staging.end_uploads()
+    runner.forward(ids, positions, ctx)
+    if len(copies):
+        runner.kv_cache.copy_blocks(copies[:, 0], copies[:, 1])

@@ -1,0 +1,233 @@
+"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama and qwen3 in fp32."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from actors.engine.engine_config import EngineConfig
+from actors.engine.llm_engine import Engine
+
+CONFIG = dict(device="cpu", dtype="float32", max_num_seqs=6, max_num_batched_tokens=24,
+              max_model_len=96, num_kv_blocks=48, block_size=4)
+
+
+def _requests(vocab: int) -> list[tuple]:
+    prompt = [(7 * j + 3) % vocab for j in range(30)]  # longer than a step: chunked
+    common = dict(max_tokens=10, ignore_eos=True, detokenize=False)
+    return [
+        ("greedy", prompt, dict(temperature=0.0, logprobs=2, **common)),
+        ("shared-prefix", prompt[:20] + [11, 12], dict(temperature=0.0, **common)),
+        ("seeded", [5, 9, 13], dict(temperature=1.0, top_p=0.9, seed=7, **common)),
+        ("forked", [21, 22, 23, 24, 25], dict(temperature=0.8, n=2, seed=3, **common)),
+        ("scored", prompt[:12], dict(temperature=0.0, prompt_logprobs=1, **common)),
+    ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def engines(request, tiny_model_factory):
+    path = tiny_model_factory(request.param)
+    one = Engine(path, CONFIG)
+    two = Engine(path, {**CONFIG, "tensor_parallel_size": 2})
+    yield path, one, two
+    pids = two.replica.pids
+    two.close()
+    assert not any(_alive(p) for p in pids)
+
+
+def _compare(a, b) -> None:
+    assert [(o.id, o.sample_index) for o in a] == [(o.id, o.sample_index) for o in b]
+    for x, y in zip(a, b):
+        assert x.output_token_ids == y.output_token_ids, x.id
+        assert x.finish_reason == y.finish_reason
+        for p, q in zip(x.raw_logprobs, y.raw_logprobs):
+            assert abs(p - q) <= 1e-5, x.id
+        for p, q in zip(x.logprobs or [], y.logprobs or []):
+            assert abs(p - q) <= 1e-5, x.id
+        for p, q in zip(x.prompt_logprobs or [], y.prompt_logprobs or []):
+            assert (p is None and q is None) or abs(p - q) <= 1e-5, x.id
+
+
+def test_two_ranks_match_one(engines):
+    _, one, two = engines
+    requests = _requests(one.loaded.vocab_size)
+    a = one.generate(requests, token_logprobs=True)
+    b = two.generate(requests, token_logprobs=True)
+    assert all(o.finish_reason == "length" for o in a)
+    _compare(a, b)
+    assert two.info()["tensor_parallel_size"] == 2
+    # a second round reuses the prefix cache of rank 0's blocks on both ranks' pages
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+
+
+def test_update_weights_full_tensors(engines):
+    from transformers import AutoModelForCausalLM
+
+    path, one, two = engines
+    assert two.weights.spec() == one.weights.spec()  # full HF shapes on rank 0
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    scaled = {k: v * 1.05 for k, v in full.items()}
+    requests = _requests(one.loaded.vocab_size)[:3]
+    before = one.generate(requests, token_logprobs=True)
+    one.update_weights(scaled)
+    two.update_weights(scaled)
+    after = one.generate(requests, token_logprobs=True)
+    assert [o.raw_logprobs for o in after] != [o.raw_logprobs for o in before]
+    _compare(after, two.generate(requests, token_logprobs=True))
+    with pytest.raises(ValueError, match="shape"):
+        name = next(k for k in full if k.endswith("q_proj.weight"))
+        two.update_weights({name: full[name][:2]})
+    one.update_weights(full)
+    two.update_weights(iter(full.items()))  # an iterator of pairs too
+    _compare(before, two.generate(requests, token_logprobs=True))
+
+
+def test_sleep_and_wake_on_every_rank(engines):
+    path, one, two = engines
+    requests = _requests(one.loaded.vocab_size)[:3]
+    reference = one.generate(requests, token_logprobs=True)
+    assert two.sleep(1)["kv_cache"] > 0
+    two.wake_up()
+    _compare(reference, two.generate(requests, token_logprobs=True))
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    freed = two.sleep(2)
+    assert freed["weights"] > 0
+    two.wake_up(["weights"])
+    two.update_weights(full)
+    two.wake_up(["kv_cache"])
+    _compare(reference, two.generate(requests, token_logprobs=True))
+
+
+def test_size_checked():
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_heads_must_divide(tiny_llama):
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size: must divide the "
+                                         "model's 4 attention heads, got 3"):
+        Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 3})
+
+
+def test_dropped_engine_ends_its_ranks_and_a_dead_rank_is_reported(tiny_llama):
+    engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
+    (pid,) = engine.replica.pids
+    assert _alive(pid)
+    proc = engine.replica.procs[0]
+    del engine
+    gc.collect()
+    assert proc.poll() is not None and not _alive(pid)
+
+    engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
+    proc = engine.replica.procs[0]
+    proc.kill()
+    proc.wait()
+    engine.add_request("x", [1, 2, 3], dict(max_tokens=2))
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+        engine.step()
+    engine.close()
+
+
+@pytest.mark.slow
+def test_kv_heads_replicated_over_four_ranks(tiny_llama):
+    """4 ranks, 4 heads, 2 KV heads: each rank keeps one query head and a copy of its KV
+    head."""
+    one = Engine(tiny_llama, CONFIG)
+    four = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 4})
+    assert (four.loaded.num_heads, four.loaded.num_kv_heads) == (1, 1)
+    assert four.kv_cache.pool.shape[-2] == 1  # the pool holds this rank's KV head only
+    requests = _requests(one.loaded.vocab_size)
+    _compare(one.generate(requests, token_logprobs=True),
+             four.generate(requests, token_logprobs=True))
+    pids = four.replica.pids
+    four.close()
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (4 experts, top 2; layer 1 a dense MLP) with fused 3-D experts."""
+    import transformers
+
+    from toolkit.tiny_model import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-moe")
+    tokenizer = train_tokenizer(512)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        decoder_sparse_step=1, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_moe_experts_sharded(tiny_moe):
+    from transformers import AutoModelForCausalLM
+
+    one = Engine(tiny_moe, CONFIG)
+    two = Engine(tiny_moe, {**CONFIG, "tensor_parallel_size": 2})
+    experts = two.loaded.model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (4, 32, 64)  # [experts, 2 * 32 / 2, hidden]
+    assert tuple(experts.down_proj.shape) == (4, 64, 16)
+    requests = _requests(one.loaded.vocab_size)
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+    full = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).state_dict()
+    scaled = {k: v * 0.9 for k, v in full.items()}
+    one.update_weights(scaled)
+    two.update_weights(scaled)
+    _compare(one.generate(requests, token_logprobs=True),
+             two.generate(requests, token_logprobs=True))
+    two.close()
+
+
+def test_worker_rank_exits_when_rank_0_is_killed(tiny_llama):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from actors.engine.llm_engine import Engine\n"
+        f"e = Engine({tiny_llama!r}, {{**{CONFIG!r}, 'tensor_parallel_size': 2}})\n"
+        "print(e.replica.pids[0], flush=True)\n"
+        "sys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker = int(rank0.stdout.readline())
+        assert _alive(worker)
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait()
+        deadline = time.monotonic() + 15
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker)
+    finally:
+        rank0.kill()
+        rank0.wait()

@@ -1,0 +1,15 @@
+"""Smoke test of benchmarks/host_step_bench.py (a small batch)."""
+
+from __future__ import annotations
+
+from tests.benchmarks.helpers import load_benchmark
+
+
+def test_host_step_bench_times_each_phase_for_both_mixes(capsys):
+    results = load_benchmark("host_step_bench").main(["--batch", "16", "--output-len", "10"])
+    assert set(results) == {"top_p", "job"}
+    for phases in results.values():
+        assert set(phases) == {"schedule", "prepare", "process"}
+        assert all(0 < ms < 1000 for ms in phases.values())
+    out = capsys.readouterr().out
+    assert "job    batch 16:" in out and "per decode step" in out
