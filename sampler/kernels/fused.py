@@ -23,7 +23,7 @@ from sampler.kernels.record import _record_row
 from sampler.kernels.reductions import _best, _lse, _mode_value, _token_value
 from sampler.kernels.row_stats import _chunk_stats, _stats_range
 from sampler.kernels.select import _key_id, _key_value
-from sampler.kernels.token_bitmask import _mask_row
+from sampler.kernels.token_bitmask_kernel import _mask_row
 
 
 @triton.jit

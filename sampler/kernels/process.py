@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from sampler.kernels.tables import kernel_tables
-from sampler.kernels.token_bitmask import _bitmask_tile, _mask_row
+from sampler.kernels.token_bitmask_kernel import _bitmask_tile, _mask_row
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from sampler.kernels.draw import _draw_tile_lazy
 from sampler.kernels.process import _row_processing
 from sampler.kernels.reductions import _best, _lse_pair, _online_lse
 from sampler.kernels.tiles import _first_tiles, _next_tile, _processed_at, _tile_of
-from sampler.kernels.token_bitmask import _mask_row
+from sampler.kernels.token_bitmask_kernel import _mask_row
 
 
 @triton.jit

@@ -116,7 +116,7 @@ def test_a_bitmask_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("rows,vocab,block", [(1, 31, 64), (7, 111, 64), (5, 1000, 256),
                                               (3, 4133, 1024)])
 def test_triton_bitmask_kernel_matches_torch(rows, vocab, block):
-    from sampler.kernels.token_bitmask import apply_token_bitmask_triton
+    from sampler.kernels.token_bitmask_kernel import apply_token_bitmask_triton
 
     logits = random_logits(rows, vocab, 5)
     mask_rows = torch.tensor([r for r in range(rows) if r % 3 != 1], dtype=torch.int64)
