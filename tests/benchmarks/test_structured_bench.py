@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.actors.helpers import load_benchmark
+from tests.benchmarks.helpers import load_benchmark
 
 
 def test_tiny_workload_writes_every_figure(tmp_path):
