@@ -55,6 +55,10 @@ class GenerationActor:
         if _in_ray_actor():
             bytecode = cache_bytecode()
             shorten_switch_interval()
+            # one progress bar per actor, forwarded to the driver's terminal, helps nobody
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         from actors.engine.llm_engine import Engine
         from actors.shard import ShardPrefetch, warm_up_io
 

@@ -64,6 +64,8 @@ def _messages(value: list, column: str) -> list[dict[str, Any]]:
         message = {key: v for key, v in message.items() if v is not None}
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"messages: message {k} of the {column!r} column has no role")
+        if message.get("content") is None:
+            raise ValueError(f"messages: message {k} of the {column!r} column has no content")
         out.append(message)
     return out
 
@@ -155,10 +157,15 @@ def prepare_requests(task: ShardTask, table: pa.Table, ids: list[Any],
     errors: dict[int, ErrorOutput] = {}
     cells = _Cells(table)
     params_of = _ParamsReader(task, cells)
+    given_error = task.columns.get("error")  # a line the reader could not make a row of
+    if given_error not in table.column_names:
+        given_error = None
     for i, row_id in enumerate(ids):
         try:
             if id_errors and i in id_errors:
                 raise ValueError(id_errors[i])
+            if given_error is not None and cells.get(given_error, i, "line") is not None:
+                raise ValueError(cells.get(given_error, i, "line"))
             if row_id is None:
                 raise ValueError(f"id: the {task.columns.get('id', 'id')!r} column is null")
             params = params_of.read(i, row_id)

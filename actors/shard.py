@@ -101,7 +101,9 @@ def process_shard(task: ShardTask, run: RunRequests,
         rows.append((i, int(out.sample_index), out))
     rows.sort(key=lambda r: (r[0], r[1]))
     generated, wall = time.perf_counter(), time.time()
-    result = write_part(task, table, ids, rows, started)
+    params = {int(rid.rsplit(".", 1)[1]): p for rid, _, p in prepared.requests} \
+        if task.write_sampling_params else None
+    result = write_part(task, table, ids, rows, started, params)
     profiling.span("write", wall, task.shard_id)
     if profiling.trace is not None:
         profiling.trace.dump()

@@ -153,9 +153,11 @@ def expected_schema():
     return pa.schema([
         ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
         ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-        ("stop_reason", pa.string()), ("logprobs", pa.list_(pa.float32())),
+        ("stop_reason", pa.string()), ("stop_token_id", pa.int32()),
+        ("logprobs", pa.list_(pa.float32())),
         ("top_logprobs", pa.list_(pa.list_(top))), ("sampled_ranks", pa.list_(pa.int32())),
-        ("prompt_logprobs", pa.list_(pa.float32())), ("num_prompt_tokens", pa.int32()),
+        ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_token_ids", pa.list_(pa.int32())),
+        ("prompt_top_logprobs", pa.list_(pa.list_(top))), ("num_prompt_tokens", pa.int32()),
         ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
         ("group", pa.int64()),
     ])
@@ -399,8 +401,10 @@ def _actor_pids(root: int) -> list[tuple[int, str]]:
 
 
 def _committed(output: Path) -> dict:
+    from jobs.manifest import read_manifest
+
     try:
-        return json.loads((output / "_manifest.json").read_text()).get("committed", {})
+        return read_manifest(output).get("committed", {})
     except (OSError, ValueError):
         return {}
 
@@ -412,7 +416,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     shard is committed; ``keep_log``: return every line as ``(seconds, line)`` in ``log``."""
     log(f"{name}: raygen run {config_path.name}")
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "run", str(config_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "-v", "run", str(config_path)],
                             cwd=repo, env=child_env(repo), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     events: dict[str, float] = {}
@@ -504,7 +508,9 @@ def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    checks: dict[str, bool] = {"success_marker": (output / "_SUCCESS").exists()}
+    from jobs.manifest import SUCCESS
+
+    checks: dict[str, bool] = {"success_marker": (output / SUCCESS).exists()}
     if not checks["success_marker"]:
         return checks, None
     table = pq.read_table(str(output)).sort_by([("id", "ascending"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -25,11 +27,18 @@ def connect(address: str | None) -> None:
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # worker lines forwarded to a file or a pipe: no colour codes around their prefix
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if target and target != "local":
         logger.info("connecting to Ray at %s", target)
         ray.init(address=target, logging_level=logging.WARNING)
     else:
         logger.info("starting a local Ray on 127.0.0.1")
+        # Ray turns token auth on for a new local cluster and warns that it did: that note
+        # is about the cluster raygen starts here, nothing for the user to do
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            _TokenAuthNote())
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
 
 
@@ -39,6 +48,9 @@ def replica_gpus(engine_options: Any, num_gpus_per_actor: float) -> float:
     ranks as its child processes, on the GPUs Ray gave it (``docs/tensor_parallel.md``)."""
     tp = int(dict(engine_options or {}).get("tensor_parallel_size", 1))
     return num_gpus_per_actor * tp
+class _TokenAuthNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this")
 
 
 def check_resources(num_actors: int, num_gpus: float) -> None:
@@ -80,3 +92,24 @@ def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: floa
         return remote_cls.remote(model, engine_config, first_shard=first_shard)
 
     return start
+
+
+def wait_until_dead(handles: list[Any], timeout: float = 10.0) -> None:
+    """Waits until the killed actors are gone. ``ray.kill`` only sends the kill; a driver that
+    returned at once and then shut its local Ray down would leave actors still alive to be
+    stopped by SIGTERM, a normal interpreter exit in which Triton's nanobind bindings report
+    whatever compiled-kernel state is still alive as leaks (a ~40-line dump). A killed actor
+    ends without running its interpreter's finalizers."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    for handle in handles:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(),
+                                                                   0.1))
+            except ray.exceptions.GetTimeoutError:
+                break
+            except Exception:  # noqa: BLE001 - ActorDiedError and its kin: it is gone
+                break
+            time.sleep(0.05)  # answered: the kill has not landed yet

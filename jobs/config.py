@@ -25,7 +25,9 @@ _SEED_MAX = 2**63 - 1
 OUTPUT_FIELDS = (
     "model", "id_column", "prompt_column", "messages_column", "token_ids_column",
     "params_column", "sampling_params", "rows_per_shard", "seed", "engine", "trust_remote_code",
+    "write_sampling_params", "input_format",
 )
+INPUT_FORMATS = ("auto", "openai_batch")
 
 
 def _fail(name: str, rule: str, value: Any) -> ValueError:
@@ -49,8 +51,8 @@ class JobConfig:
         model: local model directory or hub id (anything ``transformers`` loads).
         input: a file, a directory, a glob or a URI (``s3://…``, ``file://…``, any fsspec
             protocol), or a list of them. Parquet, Arrow/Feather and JSONL.
-        output: the output directory (local path or URI); it holds ``part-*.parquet``,
-            ``_manifest.json`` and, once finished, ``_SUCCESS``.
+        output: the output directory (local path or URI); it holds ``part-*.parquet`` and the
+            hidden ``.raygen/`` folder (``manifest.parquet``, once finished ``SUCCESS``).
         id_column, prompt_column, messages_column, token_ids_column, params_column: input
             column names. A row needs one of the three prompt columns.
         sampling_params: job defaults (vLLM field names); a row's own params override them
@@ -64,6 +66,12 @@ class JobConfig:
             new local Ray on 127.0.0.1; ``"local"`` = always that local Ray.
         engine: ``actors.engine.llm_engine.EngineConfig`` fields (dtype, max_model_len, max_num_seqs, …).
         trust_remote_code: passed to transformers; off unless set.
+        input_format: ``auto`` (each file's format from its name) or ``openai_batch``: every
+            input file is an OpenAI Batch JSONL file (``actors.contract.openai_batch``), its lines the
+            rows (``raygen run-batch`` runs such a job and writes the OpenAI output file).
+        write_sampling_params: also write a ``sampling_params`` column: per output row, the
+            params (JSON text) that reproduce it alone (the row's effective params, with
+            ``n: 1`` and the sample's own seed).
         deterministic: True (default): each actor runs one shard at a time on its engine,
             all of the shard's requests admitted together on a fresh prefix cache, so a
             shard's rows depend only on its rows and the model (and the hardware and library
@@ -98,6 +106,8 @@ class JobConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     deterministic: bool = True
+    write_sampling_params: bool = False
+    input_format: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("model", "output"):
@@ -134,7 +144,10 @@ class JobConfig:
         if not isinstance(self.engine, Mapping):
             raise _fail("engine", "must be a mapping of EngineConfig field -> value", self.engine)
         self.engine = dict(self.engine)
-        for name in ("trust_remote_code", "deterministic"):
+        if self.input_format not in INPUT_FORMATS:
+            raise _fail("input_format", f"must be one of {', '.join(INPUT_FORMATS)}",
+                        self.input_format)
+        for name in ("trust_remote_code", "deterministic", "write_sampling_params"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
 
@@ -163,20 +176,7 @@ class JobConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> JobConfig:
         """Reads a YAML file (``yaml.safe_load``) holding the config keys at top level."""
-        import yaml
-
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"config: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config: {str(path)!r} is not valid YAML: {exc}") from None
-        if not isinstance(data, Mapping):
-            raise ValueError(f"config: {str(path)!r} must hold a mapping of keys, got {data!r:.200}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml(path))
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of every field (the YAML/JSON form)."""
@@ -215,6 +215,60 @@ def _check_input(value: Any) -> str | list[str]:
 
 
 ConfigLike = Union[JobConfig, Mapping[str, Any], str, os.PathLike]
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``data`` with each ``key=value`` of ``overrides`` set: a dotted key reaches into a
+    mapping (``sampling_params.max_tokens=64``), the value is read as YAML (``4`` an int,
+    ``true`` a bool, ``[a, b]`` a list, ``null``). The result is checked as a config file is.
+
+    Example:
+        >>> apply_overrides({"num_actors": 1}, ["num_actors=4", "engine.dtype=float32"])
+        {'num_actors': 4, 'engine': {'dtype': 'float32'}}
+    """
+    import yaml
+
+    out = json.loads(json.dumps(dict(data), default=str))  # a deep copy of plain values
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"config: --set {item!r}: expected key=value (a dotted key for a "
+                             "nested one, e.g. sampling_params.max_tokens=64)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config: --set {item!r}: the value is not valid YAML "
+                             f"({str(exc).splitlines()[0]})") from None
+        *parents, leaf = key.split(".")
+        target = out
+        for depth, part in enumerate(parents):
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parents[:depth + 1])
+                raise ValueError(f"config.{where}: --set {key}: {where} is not a mapping "
+                                 f"(it is {child!r})")
+            target = child
+        target[leaf] = value
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping a YAML config file holds (``ValueError`` naming the file otherwise)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config: {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config: {str(path)!r} must hold a mapping of keys, got {data!r:.200}")
+    return dict(data)
 
 
 def load_config(config: ConfigLike) -> JobConfig:

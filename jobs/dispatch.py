@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from actors.contract.shard_io import write_failed_shard
 from actors.contract.task import EngineFailure, PartWriteError, ShardResult, ShardTask
-from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT
+from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT, wait_until_dead
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,10 @@ class Dispatcher:
     """Runs shards on an actor pool until each is committed (or written as error rows)."""
 
     def __init__(self, start_actor: Callable[..., Any], num_actors: int, make_task: MakeTask,
-                 commit: Commit, max_attempts: int, fill_rows: int = 0) -> None:
+                 commit: Commit, max_attempts: int, fill_rows: int = 0,
+                 on_ready: Callable[[str], None] | None = None) -> None:
         self._start_actor = start_actor
+        self._on_ready_hook = on_ready  # called with a slot's name when its actor is up
         self._fill_rows = fill_rows
         self._most = shards_at_once(fill_rows)
         self._slots = [_Slot(f"actor-{i}") for i in range(num_actors)]
@@ -113,8 +115,10 @@ class Dispatcher:
                     else:
                         self._on_done(slot, ref)
         finally:
+            handles = [slot.handle for slot in self._slots if slot.handle is not None]
             for slot in self._slots:
                 self._kill(slot)
+            wait_until_dead(handles)
 
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:
@@ -150,6 +154,8 @@ class Dispatcher:
         slot.ready = None
         slot.failed_starts = 0
         logger.info("%s ready%s", slot.name, _startup_text(facts))
+        if self._on_ready_hook is not None:
+            self._on_ready_hook(slot.name)
 
     def _kill(self, slot: _Slot) -> None:
         import ray

@@ -77,6 +77,7 @@ def make_task(shard: Shard, attempt: int, spec: InputSpec, config: JobConfig,
         id_offset=f.row_offset if spec.generated_ids else None,
         deterministic=config.deterministic,
         max_num_seqs=_max_num_seqs(config),
+        write_sampling_params=config.write_sampling_params,
     )
 
 

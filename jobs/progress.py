@@ -55,7 +55,8 @@ class JobResult:
 
 class Progress:
     """Counts committed shards; draws a bar (rows done / total, output tok/s, ETA) on a TTY and
-    logs a line every ~10% otherwise."""
+    logs a line every ~10% otherwise. While the actors start, the bar's label (or a logged
+    line per actor) says how many are ready: ``starting actors 1/4``."""
 
     def __init__(self, total_rows: int, done_rows: int = 0, *, enabled: bool = True) -> None:
         self.started = time.perf_counter()
@@ -63,6 +64,7 @@ class Progress:
         self.done_rows = done_rows
         self.tokens = 0
         self.rows_by_actor: dict[str, int] = {}
+        self.ready: set[str] = set()
         self._next_log = 0.1
         self._bar = None
         if enabled and sys.stderr.isatty():
@@ -76,9 +78,28 @@ class Progress:
         return time.perf_counter() - self.started
 
     def add_actors(self, names) -> None:
-        """Lists the pool's actor slots, so that one which commits nothing still shows as 0%."""
+        """Lists the pool's actor slots, so that one which commits nothing still shows as 0%,
+        and shows that they are starting."""
         for name in names:
             self.rows_by_actor.setdefault(name, 0)
+        self._show_startup()
+
+    def actor_ready(self, name: str) -> None:
+        """One actor's model is loaded (a replaced actor counts once)."""
+        self.ready.add(name)
+        self._show_startup()
+
+    def _show_startup(self) -> None:
+        total = len(self.rows_by_actor)
+        if not total:
+            return
+        text = (f"starting actors {len(self.ready)}/{total}" if len(self.ready) < total
+                else f"actors ready {total}/{total}")
+        if self._bar is not None:
+            self._bar.set_description_str("raygen" if len(self.ready) >= total
+                                          else f"raygen ({text})")
+        else:
+            logger.info("%s", text)
 
     def update(self, rows: int, tokens: int, actor: str) -> None:
         """Records one committed shard of ``rows`` input rows and ``tokens`` output tokens."""

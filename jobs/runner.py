@@ -192,6 +192,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
         commit,
         config.max_shard_attempts,
         fill_rows=fill,
+        on_ready=bar.actor_ready,
     )
     bar.add_actors(dispatcher.actors)
     dispatcher.run(todo)

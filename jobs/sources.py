@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from actors.contract import jsonl
+from actors.contract import jsonl, openai_batch
 from actors.contract.schema import OUTPUT_COLUMNS, output_schema
 from jobs.config import JobConfig
 from jobs.storage import Location, list_files, resolve
@@ -125,8 +125,17 @@ def _read_schema(loc: Location, fmt: str, params_column: str) -> tuple[str, pa.S
     try:
         schema, rows = jsonl.scan(loc.fs, loc.path, params_column)
     except (ValueError, OSError) as exc:
+        if " line " in str(exc):  # it names the line: pyarrow's may be about another row
+            raise ValueError(str(exc)) from None
         raise ValueError(f"{exc} (pyarrow: {first.splitlines()[-1]})") from None
     return jsonl.FORMAT, schema, rows
+
+
+def _scan_batch(loc: Location, roles: dict[str, str]) -> tuple[pa.Schema, int]:
+    try:
+        return openai_batch.scan(loc.fs, loc.path, roles)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"input: cannot read {loc.path}: {exc}") from None
 
 
 def discover(config: JobConfig) -> InputSpec:
@@ -134,7 +143,12 @@ def discover(config: JobConfig) -> InputSpec:
     roles = {"id": config.id_column, "prompt": config.prompt_column,
              "messages": config.messages_column, "token_ids": config.token_ids_column,
              "params": config.params_column}
-    consumed = set(roles.values())
+    # the prompt text and chat messages pass through as given; token ids come out as the
+    # generated prompt_token_ids column, params as the optional sampling_params one
+    consumed = {roles["id"], roles["token_ids"], roles["params"]}
+    batch = config.input_format == "openai_batch"
+    if batch:  # a line's error goes to the error column
+        consumed.add(openai_batch.ERROR_COLUMN)
     files: list[InputFile] = []
     schemas: list[pa.Schema] = []
     id_types: list[pa.DataType] = []
@@ -142,7 +156,12 @@ def discover(config: JobConfig) -> InputSpec:
     present: dict[str, str] = {}
     offset = 0
     for loc, fmt in _files(config):
-        fmt, schema, rows = _read_schema(loc, fmt, config.params_column)
+        if batch:
+            fmt = openai_batch.FORMAT
+            schema, rows = _scan_batch(loc, roles)
+            present["error"] = openai_batch.ERROR_COLUMN
+        else:
+            fmt, schema, rows = _read_schema(loc, fmt, config.params_column)
         for role, name in roles.items():
             if name in schema.names:
                 _check_type(role, name, schema.field(name).type, loc.path)
@@ -174,7 +193,8 @@ def discover(config: JobConfig) -> InputSpec:
         if name in OUTPUT_COLUMNS:
             raise ValueError(f"input: column {name!r} collides with the output column of that "
                              "name; rename it in the input")
-    return InputSpec(files, present, output_schema(id_type, passthrough), not id_types)
+    schema = output_schema(id_type, passthrough, sampling_params=config.write_sampling_params)
+    return InputSpec(files, present, schema, not id_types)
 
 
 def _unify_id(types: list[pa.DataType]) -> pa.DataType:

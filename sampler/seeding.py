@@ -49,6 +49,21 @@ def _encode(value: object, out: list[bytes], name: str) -> None:
     out.append(len(body).to_bytes(8, "little") + body)
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded ``seed`` (``n > 1``): sample 0
+    keeps ``seed``, sample ``j > 0`` draws with ``derive_seed(seed, ("sample", j))``. Each
+    sample's draws depend on its own seed only, so a request of ``n=1`` with that seed
+    reproduces the sample alone.
+
+    Example:
+        >>> sample_seed(7, 0)
+        7
+        >>> sample_seed(7, 1) == derive_seed(7, ("sample", 1))
+        True
+    """
+    return seed if sample_index == 0 else derive_seed(seed, ("sample", sample_index))
+
+
 def derive_seed(base_seed: int, key: SeedKey) -> int:
     """Derives a stable per-row seed from a base seed and a row key.
 

@@ -54,3 +54,26 @@ def test_the_sampler_names_import_on_first_use():
     assert Sampler is stateful and SamplingParams is defined
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         sampler.Nope  # noqa: B018
+
+
+def test_triton_is_an_extra_and_a_cpu_run_needs_none(tiny_llama):
+    """A CPU ``pip install -e .`` pulls no Triton (``gpu`` and ``dev`` extras do), and
+    generating on the CPU works in a process where Triton cannot be imported."""
+    import os
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    for extra in ("gpu", "dev"):
+        assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")]
+    code = ("import sys; sys.modules['triton'] = None\n"  # import triton -> ImportError
+            "from toolkit import SamplingParams, generate\n"
+            "outs = generate(['hello'], SamplingParams(max_tokens=3, seed=1),"
+            f" model={tiny_llama!r}, device='cpu', max_model_len=64)\n"
+            "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+            "print(len(outs[0].output_token_ids))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "3"

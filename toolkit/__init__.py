@@ -4,6 +4,8 @@ Heavy modules (ray, transformers, torch kernels) load on first use of the name t
 them, so ``import toolkit`` stays fast.
 """
 
+__version__ = "0.1.0"
+
 # Bound at import (toolkit/generate.py is light; the engine loads on the first call), so the
 # name ``toolkit.generate`` is the function and not the submodule of the same name.
 from toolkit.generate import generate  # noqa: E402,F401
@@ -19,10 +21,12 @@ _LAZY = {
     "submit_job": "toolkit.submit",
     "job_status": "toolkit.submit",
     "RolloutPool": "toolkit.rollout",
+    "run_batch": "toolkit.batch",
 }
 
 __all__ = ["GenerationOutput", "JobConfig", "JobResult", "RolloutPool", "SamplingParams",
-           "StructuredOutputsParams", "generate", "job_status", "run_job", "submit_job"]
+           "StructuredOutputsParams", "generate", "job_status", "run_batch", "run_job",
+           "submit_job"]
 
 
 def __getattr__(name: str):

@@ -39,14 +39,20 @@ def demo_model(cache: Path | None = None) -> Path:
     if (target / "raygen_tiny.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
     logger.info("building the demo model in %s (first use only)", target)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a model of one file
     try:
         build_tiny_model(staging, "llama", seed=0)
         shutil.rmtree(target, ignore_errors=True)  # a directory without the marker: incomplete
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
     return target
 
 
@@ -74,11 +80,12 @@ def demo_config(output: str, model: str, num_actors: int) -> JobConfig:
 def run_demo(output: str = "demo-out", *, cache: Path | None = None,
              num_actors: int | None = None) -> JobResult:
     """Builds the model if needed, clears a previous demo output, runs the demo job."""
-    from jobs.manifest import MANIFEST
+    from jobs.manifest import LEGACY_MANIFEST, MANIFEST
     from jobs.runner import run_job
 
     out = Path(output)
-    if (out / MANIFEST).is_file():  # a previous demo: start over so it really generates
+    # a previous demo: start over so it really generates
+    if (out / MANIFEST).is_file() or (out / LEGACY_MANIFEST).is_file():
         shutil.rmtree(out)
     model = demo_model(cache)
     actors = num_actors or max(1, min(2, os.cpu_count() or 1))

@@ -231,9 +231,12 @@ class RolloutPool:
         """Stops the actors (their memory is freed); the pool cannot be used afterwards."""
         import ray
 
+        from jobs.cluster import wait_until_dead
+
         actors, self._actors = self._actors, []
         for actor in actors:
             ray.kill(actor)
+        wait_until_dead(actors)  # gone before the caller's Ray shuts down (see there)
 
     def __enter__(self) -> RolloutPool:
         return self

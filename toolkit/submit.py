@@ -41,6 +41,20 @@ def _token(token: str | None) -> str | None:
     return None
 
 
+class AuthTokenError(PermissionError):
+    """The cluster refused a request for want of its auth token. ``option`` is how the message
+    names the token option (``token=`` in Python; the CLI sets ``--token``)."""
+
+    def __init__(self, url: str, rejected: bool, option: str = "token=") -> None:
+        super().__init__(url, rejected)
+        self.url, self.rejected, self.option = url, rejected, option
+
+    def __str__(self) -> str:
+        why = "the token given was rejected" if self.rejected else "none was found"
+        return (f"Ray at {self.url} refused the request: it needs its auth token ({why}); pass "
+                f"{self.option} or set RAY_AUTH_TOKEN")
+
+
 def _client(address: str | None, token: str | None):
     from ray.job_submission import JobSubmissionClient
 
@@ -52,10 +66,7 @@ def _client(address: str | None, token: str | None):
     except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors alike
         text = str(exc)
         if "401" in text or "403" in text or "uthenticat" in text or "Unauthorized" in text:
-            raise PermissionError(
-                f"Ray at {url} refused the request: it needs its auth token "
-                f"({'the token given was rejected' if secret else 'none was found'}); pass "
-                "token=/--token or set RAY_AUTH_TOKEN") from None
+            raise AuthTokenError(url, bool(secret)) from None
         raise ConnectionError(f"cannot reach the Ray dashboard at {url}: "
                               f"{text.strip().splitlines()[0] if text.strip() else exc!r}") from None
 
@@ -143,3 +154,38 @@ def job_status(job_id: str, address: str | None = None, *, token: str | None = N
         raise ValueError(f"job {job_id!r}: {str(exc).strip().splitlines()[0]}") from None
     status = getattr(info.status, "value", str(info.status))
     return JobStatus(job_id, str(status), info.message, logs)
+
+
+@dataclass(slots=True)
+class JobSummary:
+    """One submitted job, as ``list_jobs`` reports it."""
+
+    job_id: str
+    status: str
+    output: str | None  # the job's output directory (raygen jobs only)
+    start_time: float | None  # seconds since the epoch
+
+
+def list_jobs(address: str | None = None, *, token: str | None = None,
+              all_jobs: bool = False) -> list[JobSummary]:
+    """The cluster's raygen jobs (``all_jobs``: every Ray job), oldest first."""
+    client = _client(address, token)
+    out = []
+    for info in client.list_jobs():
+        output = (info.metadata or {}).get("raygen_output")
+        if info.submission_id is None or (output is None and not all_jobs):
+            continue
+        status = str(getattr(info.status, "value", info.status))
+        start = info.start_time / 1000 if info.start_time else None
+        out.append(JobSummary(info.submission_id, status, output, start))
+    return sorted(out, key=lambda j: j.start_time or 0)
+
+
+def stop_job(job_id: str, address: str | None = None, *, token: str | None = None) -> bool:
+    """Asks the cluster to stop a submitted job; False when it had finished already. Its
+    committed shards stay: submitting the same config again resumes it."""
+    client = _client(address, token)
+    try:
+        return bool(client.stop_job(job_id))
+    except RuntimeError as exc:
+        raise ValueError(f"job {job_id!r}: {str(exc).strip().splitlines()[0]}") from None

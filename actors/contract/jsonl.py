@@ -5,8 +5,9 @@ when rows disagree: typical for per-row sampling params (``{"stop": "x"}`` in on
 ``{"stop": ["x"]}`` in another, or a value of the wrong type). Such a file is read here
 instead: each line is parsed with ``json``, the params column is turned back into JSON text
 (a string column), and SamplingParams parses that text per row, so a bad value fails its row
-only. Files pyarrow reads are not affected. A line that is not a JSON object, or other
-columns that still disagree, make the file unreadable as before (one clear message).
+only. Files pyarrow reads are not affected. A line that is not a JSON object, or another
+column whose lines hold different JSON types (``"messages": "hi"`` among lists), makes the
+file unreadable, with one message naming the column and the lines that disagree.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ FORMAT = "jsonl-text-params"  # the format name a plan records for such a file
 _CHUNK = 4096  # lines per Arrow conversion
 
 
-def _lines(fs: pafs.FileSystem, path: str) -> Iterator[tuple[int, str]]:
+def lines(fs: pafs.FileSystem, path: str) -> Iterator[tuple[int, str]]:
     """(line number from 1, text) of the non-blank lines."""
     with fs.open_input_stream(path, compression="detect") as stream:
         rest, number = b"", 0
@@ -63,12 +64,43 @@ def _table(path: str, rows: list[dict[str, Any]], first_line: int) -> pa.Table:
                          f"do not make one table ({exc})") from None
 
 
+def _kind(value: Any) -> str | None:
+    """The JSON type of a value (int and float are both numbers; null has none)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}[type(value)]
+
+
+class _Kinds:
+    """The JSON type each column holds, and the line it was first seen on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: dict[str, tuple[str, int]] = {}
+
+    def check(self, row: dict[str, Any], number: int) -> None:
+        for name, value in row.items():
+            kind = _kind(value)
+            if kind is None:
+                continue
+            first = self.seen.setdefault(name, (kind, number))
+            if first[0] != kind:
+                raise ValueError(f"input: {self.path} line {number}: column {name!r} holds "
+                                 f"{kind}, but {first[0]} on line {first[1]}; every line must "
+                                 "give a column the same type")
+
+
 def _chunks(fs: pafs.FileSystem, path: str, params_column: str | None, start: int = 0,
             stop: int | None = None) -> Iterator[pa.Table]:
     """Tables of the data rows ``[start, stop)`` (row = non-blank line), a chunk at a time."""
     rows: list[dict[str, Any]] = []
     first = 0
-    for index, (number, text) in enumerate(_lines(fs, path)):
+    kinds = _Kinds(path)
+    for index, (number, text) in enumerate(lines(fs, path)):
         if stop is not None and index >= stop:
             break
         if index < start:
@@ -76,6 +108,7 @@ def _chunks(fs: pafs.FileSystem, path: str, params_column: str | None, start: in
         if not rows:
             first = number
         rows.append(_record(path, number, text, params_column))
+        kinds.check(rows[-1], number)
         if len(rows) == _CHUNK:
             yield _table(path, rows, first)
             rows = []

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from actors.engine.generation_output import TopLogprobs
+from actors.engine.generation_output import TopLogprobs, stop_string, stop_token
 
 TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 
@@ -20,33 +20,42 @@ GENERATED_FIELDS: tuple[pa.Field, ...] = (
     pa.field("output_text", pa.string()),
     pa.field("output_token_ids", pa.list_(pa.int32())),
     pa.field("finish_reason", pa.string()),
-    pa.field("stop_reason", pa.string()),
+    pa.field("stop_reason", pa.string()),  # the stop string that ended the sample
+    pa.field("stop_token_id", pa.int32()),  # the stop token id that did (not an EOS token)
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     pa.field("sampled_ranks", pa.list_(pa.int32())),
     pa.field("prompt_logprobs", pa.list_(pa.float32())),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("prompt_top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     pa.field("num_prompt_tokens", pa.int32()),
     pa.field("num_output_tokens", pa.int32()),
     pa.field("seed", pa.int64()),
     pa.field("error", pa.string()),
 )
 OUTPUT_COLUMNS: tuple[str, ...] = ("id",) + tuple(f.name for f in GENERATED_FIELDS)
+# written when the job asks (``write_sampling_params``): the params that reproduce the row
+# alone (JSON text: the row's effective params with n=1 and the sample's own seed)
+PARAMS_FIELD = pa.field("sampling_params", pa.string())
 # Generated columns written without dictionary encoding: token ids, logprobs, ranks and seeds
 # take ~every value once per part, so a dictionary only grows until Parquet gives it up
 # (4x the write time of plain encoding for a part with logprobs, and a bigger file). The other
 # columns (finish reasons, errors, counts, every passthrough column) keep it.
 PLAIN_COLUMNS = frozenset({"output_token_ids", "logprobs", "top_logprobs", "sampled_ranks",
-                           "prompt_logprobs", "seed"})
+                           "prompt_logprobs", "prompt_token_ids", "prompt_top_logprobs",
+                           "seed"})
 
 
-def output_schema(id_type: pa.DataType = pa.string(),
-                  passthrough: pa.Schema | None = None) -> pa.Schema:
+def output_schema(id_type: pa.DataType = pa.string(), passthrough: pa.Schema | None = None,
+                  *, sampling_params: bool = False) -> pa.Schema:
     """The part-file schema: ``id`` (the input id type, or string when ids are generated), the
-    generated columns, then the passthrough columns."""
+    generated columns, ``sampling_params`` when asked, then the passthrough columns."""
     fields = [pa.field("id", id_type), *GENERATED_FIELDS]
+    if sampling_params:
+        fields.append(PARAMS_FIELD)
     if passthrough is not None:
         for f in passthrough:
-            if f.name in OUTPUT_COLUMNS:
+            if f.name in OUTPUT_COLUMNS or (sampling_params and f.name == PARAMS_FIELD.name):
                 raise ValueError(f"input column {f.name!r} collides with the output column of "
                                  "that name; rename it in the input")
             fields.append(f.with_nullable(True))
@@ -149,12 +158,6 @@ def _top_logprobs_array(values: Sequence[Any]) -> pa.Array:
                                     mask=pa.array(nulls) if any(nulls) else None)
 
 
-def _stop_reason(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value if isinstance(value, str) else str(value)
-
-
 _COLUMN = {  # whole-column builders (the bulk of a part with logprobs: no per-entry dicts)
     "top_logprobs": _top_logprobs_array,
 }
@@ -163,8 +166,10 @@ _CONVERT = {  # per-value converters before pa.array
     "logprobs": _as_list,
     "sampled_ranks": _as_list,
     "prompt_logprobs": _as_list,
-    "stop_reason": _stop_reason,
+    "prompt_token_ids": _as_list,
+    "stop_reason": stop_string,
 }
+_SOURCE = {"stop_token_id": ("stop_reason", stop_token)}  # columns derived from another one
 
 
 def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
@@ -172,7 +177,10 @@ def generated_columns(outputs: Sequence[Any]) -> dict[str, pa.Array]:
     ``GenerationOutput``), typed as in the schema. ``id`` is not included."""
     columns: dict[str, pa.Array] = {}
     for f in GENERATED_FIELDS:
-        values = [getattr(o, f.name, None) for o in outputs]
+        source, derive = _SOURCE.get(f.name, (f.name, None))
+        values = [getattr(o, source, None) for o in outputs]
+        if derive is not None:
+            values = [derive(v) for v in values]
         build = _COLUMN.get(f.name)
         if build is not None:
             columns[f.name] = build(values).cast(f.type)

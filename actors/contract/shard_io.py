@@ -7,6 +7,7 @@ and renamed to ``part-<shard>.parquet``; the driver then records the commit.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from actors.contract import jsonl
-from actors.contract.schema import OUTPUT_COLUMNS, build_table, parquet_options
+from actors.contract import jsonl, openai_batch
+from actors.contract.schema import OUTPUT_COLUMNS, PARAMS_FIELD, build_table, parquet_options
 from actors.contract.task import PartWriteError, ShardResult, ShardTask
 
 
@@ -43,6 +44,10 @@ class ErrorOutput:
 def read_rows(task: ShardTask) -> pa.Table:
     """The shard's input rows ``[row_start, row_stop)`` of its file, every column."""
     start, stop = task.row_start, task.row_stop
+    if task.input_format == openai_batch.FORMAT:
+        table = openai_batch.read_range(task.input_fs, task.input_path, task.columns, start,
+                                        stop)
+        return _check_count(task, table)
     if task.input_format == jsonl.FORMAT:
         table = jsonl.read_range(task.input_fs, task.input_path, task.columns.get("params"),
                                  start, stop)
@@ -111,14 +116,75 @@ def row_message(task: ShardTask, row_id: Any, index: int, message: str) -> str:
     return f"{where} (shard {task.shard_id}): {message}"
 
 
+def _prompt_token_ids(task: ShardTask, table: pa.Table, positions: pa.Array,
+                      generated: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The ``prompt_token_ids`` column: the engine's (rows that asked for prompt logprobs),
+    else the row's input token ids (so a token-id prompt is carried to the output, error rows
+    included; an id beyond int32 is left out: that row is an error row anyway)."""
+    name = task.columns.get("token_ids")
+    if name is None or name not in table.column_names:
+        return generated
+    given = table.column(name).take(positions)
+    try:
+        given = given.cast(generated.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        given = pa.array([v if v is None or all(-2**31 <= t < 2**31 for t in v if t is not None)
+                          else None for v in given.to_pylist()], generated.type)
+    return pc.coalesce(generated, given)
+
+
+def _valid_text(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A string column with its values that are not valid UTF-8 made null (such a row is an
+    error row, which names the prompt; readers would fail on the bytes)."""
+    try:
+        column.validate(full=True)
+        return column
+    except pa.ArrowInvalid:
+        pass
+    values = []
+    for chunk in column.chunks:
+        for i in range(len(chunk)):
+            try:
+                values.append(chunk[i].as_py())
+            except UnicodeDecodeError:
+                values.append(None)
+    return pa.chunked_array([pa.array(values, column.type)], column.type)
+
+
+def _params_column(rows: list[tuple[int, int, Any]], params: dict[int, Any] | None) -> pa.Array:
+    """The ``sampling_params`` column: per output row, the params that reproduce it alone
+    (n=1, the sample's own seed) as JSON text; null for a row that never ran."""
+    values = []
+    for i, _, out in rows:
+        p = None if params is None else params.get(i)
+        seed = getattr(out, "seed", None)
+        values.append(None if p is None or seed is None else
+                      json.dumps(p.replace(n=1, seed=seed).to_dict(), sort_keys=True))
+    return pa.array(values, PARAMS_FIELD.type)
+
+
 def write_part(task: ShardTask, table: pa.Table, ids: pa.Array,
-               rows: list[tuple[int, int, Any]], started: float) -> ShardResult:
-    """Builds the part table (rows: (input index, sample index, output)) and commits it."""
+               rows: list[tuple[int, int, Any]], started: float,
+               params: dict[int, Any] | None = None) -> ShardResult:
+    """Builds the part table (rows: (input index, sample index, output)) and commits it.
+    ``params``: each input row's SamplingParams, for the ``sampling_params`` column."""
     positions = pa.array([r[0] for r in rows], type=pa.int64())
     outputs = [r[2] for r in rows]
     passthrough = table.select([f.name for f in task.schema
-                                if f.name not in OUTPUT_COLUMNS and f.name in table.column_names])
+                                if f.name not in OUTPUT_COLUMNS and f.name in table.column_names
+                                and not (task.write_sampling_params
+                                         and f.name == PARAMS_FIELD.name)])
     part = build_table(ids.take(positions), outputs, passthrough.take(positions), task.schema)
+    prompt = task.columns.get("prompt")
+    if prompt in part.column_names and pa.types.is_string(part.schema.field(prompt).type):
+        index = part.schema.get_field_index(prompt)
+        part = part.set_column(index, part.schema.field(index), _valid_text(part.column(index)))
+    index = part.schema.get_field_index("prompt_token_ids")
+    part = part.set_column(index, part.schema.field(index), _prompt_token_ids(
+        task, table, positions, part.column(index)))
+    if task.write_sampling_params:
+        index = part.schema.get_field_index(PARAMS_FIELD.name)
+        part = part.set_column(index, PARAMS_FIELD, _params_column(rows, params))
     output_dir = task.output_dir.rstrip("/")
     temp, final = f"{output_dir}/{task.temp_name}", f"{output_dir}/{task.part_name}"
     try:

@@ -36,6 +36,7 @@ class ShardTask:
     id_offset: int | None = None  # global index of the file's first row, when ids are generated
     deterministic: bool = True  # run alone on an idle engine: rows depend on the shard only
     max_num_seqs: int | None = None  # the engine's: a row asking for more samples fails
+    write_sampling_params: bool = False  # the schema's sampling_params column is generated
 
     @property
     def part_name(self) -> str:

@@ -19,10 +19,13 @@ SCHEMA_FIELDS: tuple[str, ...] = (
     "output_token_ids",
     "finish_reason",
     "stop_reason",
+    "stop_token_id",
     "logprobs",
     "top_logprobs",
     "sampled_ranks",
     "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_top_logprobs",
     "num_prompt_tokens",
     "num_output_tokens",
     "seed",
@@ -92,7 +95,10 @@ class GenerationOutput:
             request set ``detokenize=False`` or failed before generating.
         output_token_ids: generated ids (a stop id that ended the row is included).
         finish_reason: "stop", "length", "abort" or "error".
-        stop_reason: the stop string, or the stop / EOS token id as text; else None.
+        stop_reason: as vLLM's: the stop string (str) or the stop token id (int) that ended
+            the sample; None when it ended otherwise, an EOS token included (finish_reason
+            "stop"). In the output table a stop string is ``stop_reason`` and a stop id
+            ``stop_token_id``.
         logprobs: the sampled token's value per step in the row's ``logprobs_mode``, or None
             when ``logprobs`` was not requested.
         top_logprobs: per step, the top-k ``{"token_id", "logprob"}`` pairs (descending), when
@@ -101,10 +107,13 @@ class GenerationOutput:
         sampled_ranks: rank of the sampled token per step (1 = argmax), when logprobs requested.
         prompt_logprobs: log P(prompt[i] | prompt[:i]) per prompt position, element 0 None,
             when ``prompt_logprobs`` was requested.
+        prompt_token_ids: the prompt's token ids, when ``prompt_logprobs`` was requested
+            (so the values can be matched to tokens).
         num_prompt_tokens, num_output_tokens: counts.
-        seed: the seed the row was sampled with (reproduce it with this seed).
+        seed: this sample's seed: ``n=1`` with this seed reproduces the sample alone (sample
+            ``j`` of a request seeded ``s`` draws with ``sampler.seeding.sample_seed(s, j)``).
         error: why the request failed (finish_reason "error"), else None.
-        prompt_top_logprobs: in memory only (not a column): top-k pairs per prompt position
+        prompt_top_logprobs: top-k ``{"token_id", "logprob"}`` pairs per prompt position
             (element 0 None) when ``prompt_logprobs > 0``.
         raw_logprobs, temperature_logprobs: in memory only (RL rollouts): per sampled token,
             ``log_softmax(z)[t]`` and ``log_softmax(z / T)[t]`` from the untouched float32
@@ -116,7 +125,7 @@ class GenerationOutput:
     output_text: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[float] | None = None
     top_logprobs: TopLogprobs | list[list[dict[str, Any]]] | None = None
     sampled_ranks: list[int] | None = None
@@ -125,22 +134,39 @@ class GenerationOutput:
     num_output_tokens: int = 0
     seed: int | None = None
     error: str | None = None
+    prompt_token_ids: list[int] | None = None
     prompt_top_logprobs: list[list[dict[str, Any]] | None] | None = None
     raw_logprobs: list[float] | None = None
     temperature_logprobs: list[float] | None = None
 
-    def to_dict(self, *, include_prompt_top_logprobs: bool = False) -> dict[str, Any]:
-        """The schema columns as a dict (``prompt_top_logprobs`` only when asked)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The schema columns as a dict (``stop_reason`` split as in the table)."""
         out = {name: getattr(self, name) for name in SCHEMA_FIELDS}
+        out["stop_reason"] = stop_string(self.stop_reason)
         if isinstance(self.top_logprobs, TopLogprobs):
             out["top_logprobs"] = self.top_logprobs.to_list()
-        if include_prompt_top_logprobs:
-            out["prompt_top_logprobs"] = self.prompt_top_logprobs
         return out
+
+    @property
+    def stop_token_id(self) -> int | None:
+        """The stop token id that ended the sample (the ``stop_token_id`` column), else None."""
+        return stop_token(self.stop_reason)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def stop_string(stop_reason: Any) -> str | None:
+    """The ``stop_reason`` column of a sample's stop reason: the stop string, else None."""
+    return stop_reason if isinstance(stop_reason, str) else None
+
+
+def stop_token(stop_reason: Any) -> int | None:
+    """The ``stop_token_id`` column of a sample's stop reason: the stop id, else None."""
+    if isinstance(stop_reason, bool) or not isinstance(stop_reason, (int, np.integer)):
+        return None
+    return int(stop_reason)
 
 
 ALL_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationOutput))

@@ -28,6 +28,7 @@ from actors.engine.sequence import Request, Sequence
 from actors.engine.sleep import SleepController
 from actors.engine.structured import StructuredOutputs
 from actors.engine.weights import WeightLoader
+from sampler.seeding import sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,8 @@ class Engine:
             self._ready.append(GenerationOutput(
                 id=request_id, sample_index=j, finish_reason="abort",
                 output_text="" if request.params.detokenize else None,
-                num_prompt_tokens=request.num_prompt_tokens, seed=request.seed))
+                num_prompt_tokens=request.num_prompt_tokens,
+                seed=sample_seed(request.seed, j)))
         self._requests.pop(request_id, None)
 
     def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
@@ -317,8 +319,10 @@ class Engine:
         if request.grammar is not None:
             self.structured.start(seq)
         self.sampler.add_request(
-            seq.slot, request.params, request.prompt_token_ids, seed=request.seed,
-            sample_index=seq.sample_index, output_token_ids=seq.output_token_ids,
+            # each sample draws from its own seed (stream 0): alone with n=1 it draws the same
+            seq.slot, request.params, request.prompt_token_ids,
+            seed=sample_seed(request.seed, seq.sample_index), sample_index=0,
+            output_token_ids=seq.output_token_ids,
             bad_words_token_ids=request.bad_words_token_ids)
 
     def _process(self, step: InflightStep) -> None:

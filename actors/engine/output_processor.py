@@ -10,6 +10,7 @@ import numpy as np
 from actors.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from actors.engine.generation_output import GenerationOutput, TopLogprobs
 from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
+from sampler.seeding import sample_seed
 
 
 class OutputProcessor:
@@ -130,7 +131,9 @@ class OutputProcessor:
                     detok.add(token_id)
                 else:
                     detok.skip(token_id)
-            return self._finish(seq, pos, "stop", str(token_id))
+            # vLLM's stop_reason: the stop id the request asked for; None for an EOS token
+            reason = token_id if token_id in params.stop_token_ids else None
+            return self._finish(seq, pos, "stop", reason)
         if detok is not None:
             new_text = detok.add(token_id)
             if params.stop and new_text and stop_allowed:
@@ -150,7 +153,7 @@ class OutputProcessor:
         return False
 
     @staticmethod
-    def _finish(seq: Sequence, pos: int, reason: str, stop_reason: str | None) -> bool:
+    def _finish(seq: Sequence, pos: int, reason: str, stop_reason: str | int | None) -> bool:
         del seq.token_ids[pos + 1:]  # a token sampled after this one (in flight) is dropped
         seq.num_pending = 0
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -221,7 +224,9 @@ class OutputProcessor:
             if request.prompt_logprobs is not None else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            seed=request.seed,
+            seed=sample_seed(request.seed, seq.sample_index),
+            prompt_token_ids=list(request.prompt_token_ids)
+            if request.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(request.prompt_top_logprobs)
             if request.prompt_top_logprobs is not None else None,
             raw_logprobs=seq.raw_logprobs,
@@ -235,7 +240,8 @@ class OutputProcessor:
         """One "error" row per sample of a request that could not run."""
         return [
             GenerationOutput(id=request_id, sample_index=j, finish_reason="error", error=error,
-                             seed=seed, num_prompt_tokens=num_prompt_tokens)
+                             seed=None if seed is None else sample_seed(seed, j),
+                             num_prompt_tokens=num_prompt_tokens)
             for j in range(max(1, n))
         ]
 

@@ -89,7 +89,7 @@ class Sequence:
     detok: Any = None
     grammar: Any = None             # its own actors.engine.structured.SequenceGrammar (constrained)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     # fixed at creation, read on the per-step path: prompt length, and the token count at
     # which max_tokens is reached

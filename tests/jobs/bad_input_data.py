@@ -147,7 +147,9 @@ def rows(draw, tokenizer) -> list[Row]:
                 row.errors.append(["messages: ", "no messages"])
             elif role is None:
                 row.errors.append(["messages: ", "role"])
-            else:  # a null content is "not set", as in a struct column: the template decides
+            elif content is None:  # a chat message says something: no content is a row error
+                row.errors.append(["messages: ", "has no content"])
+            else:
                 message = {k: v for k, v in row.messages[0].items() if v is not None}
                 text = tokenizer.apply_chat_template([message], add_generation_prompt=True,
                                                      tokenize=False)

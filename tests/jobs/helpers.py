@@ -154,3 +154,12 @@ def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0]
     return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or \
         host.startswith("::ffff:127.")
+
+
+def temporaries(out: str | os.PathLike) -> list[str]:
+    """The hidden files beside the parts and among the markers (``.raygen/``): temporaries
+    a run left behind."""
+    out = Path(out)
+    folders = [out, out / ".raygen"]
+    return sorted(p.name for folder in folders if folder.is_dir() for p in folder.iterdir()
+                  if p.name.startswith(".") and p.is_file())

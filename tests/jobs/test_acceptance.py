@@ -6,7 +6,6 @@ compare against it: a second run, a resumed run after killing its driver, malfor
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,24 +18,28 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS, read_manifest
 from jobs.runner import run_job
 from sampler import derive_seed
+from sampler.seeding import sample_seed
 from tests.jobs.acceptance_data import (DEFAULTS, ENGINE, acceptance_rows, malformed_rows,
                                         table_of, write_acceptance_input)
-from tests.jobs.helpers import assert_identical, part_stats, read_output
+from tests.jobs.helpers import assert_identical, part_stats, read_output, temporaries
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+MESSAGE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 EXPECTED_SCHEMA = pa.schema([
     ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
     ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-    ("stop_reason", pa.string()), ("logprobs", pa.list_(pa.float32())),
+    ("stop_reason", pa.string()), ("stop_token_id", pa.int32()),
+    ("logprobs", pa.list_(pa.float32())),
     ("top_logprobs", pa.list_(pa.list_(TOP))), ("sampled_ranks", pa.list_(pa.int32())),
-    ("prompt_logprobs", pa.list_(pa.float32())), ("num_prompt_tokens", pa.int32()),
+    ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_token_ids", pa.list_(pa.int32())),
+    ("prompt_top_logprobs", pa.list_(pa.list_(TOP))), ("num_prompt_tokens", pa.int32()),
     ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
-    ("group", pa.int64()),
+    ("prompt", pa.string()), ("messages", MESSAGE), ("group", pa.int64()),
 ])
 JOB_SEED = 1234
 
@@ -74,7 +77,8 @@ def test_rows_types_and_logprobs(job_a):
         assert r["error"] is None and r["finish_reason"] in ("stop", "length")
         assert r["num_output_tokens"] == len(r["output_token_ids"]) >= 1
         assert r["num_output_tokens"] <= p.get("max_tokens", DEFAULTS["max_tokens"])
-        assert r["seed"] == p.get("seed", derive_seed(JOB_SEED, r["id"]))
+        row_seed = p.get("seed", derive_seed(JOB_SEED, r["id"]))
+        assert r["seed"] == sample_seed(row_seed, r["sample_index"])  # each sample its own
         if "logprobs" in p:
             assert len(r["logprobs"]) == len(r["sampled_ranks"]) == r["num_output_tokens"]
             assert all(v <= 0 for v in r["logprobs"])
@@ -98,18 +102,10 @@ def test_rows_types_and_logprobs(job_a):
 
 
 def test_output_loads_everywhere(job_a):
-    import datasets
-    import pandas as pd
-    import ray
+    from tests.jobs.test_output_columns import assert_every_reader_reads
 
-    out = job_a["root"] / "out-a"
-    expected = job_a["table"].num_rows
-    assert len(pd.read_parquet(out)) == expected
-    parts = sorted(str(p) for p in out.glob("part-*.parquet"))
-    ds = datasets.load_dataset("parquet", data_files=parts, split="train",
-                               cache_dir=str(job_a["root"] / "hf-cache"))
-    assert ds.num_rows == expected and ds.features["seed"].dtype == "int64"
-    assert ray.data.read_parquet(str(out)).count() == expected
+    assert_every_reader_reads(job_a["root"] / "out-a", job_a["table"],
+                              job_a["root"] / "hf-cache")
 
 
 @pytest.fixture(scope="module")
@@ -196,12 +192,12 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
             assert time.monotonic() < deadline
             time.sleep(0.2)
             if (out_c / MANIFEST).exists():
-                committed = json.loads((out_c / MANIFEST).read_text())["committed"]
+                committed = read_manifest(out_c)["committed"]
         driver.send_signal(signal.SIGKILL)
     finally:
         driver.kill()
         driver.wait()
-    committed = json.loads((out_c / MANIFEST).read_text())["committed"]
+    committed = read_manifest(out_c)["committed"]
     assert 3 <= len(committed) < 13 and not (out_c / SUCCESS).exists()
     before = part_stats(out_c)
     result = run_job({**config, "ray_address": None}, progress=False)
@@ -209,7 +205,7 @@ def test_resume_after_killing_the_driver(job_a, ray_local):
     assert result.shards_skipped == len(committed)
     for entry in committed.values():  # not recomputed: same inode, same mtime
         assert after[entry["part"]] == before[entry["part"]]
-    assert len(after) == 13 and not [p for p in os.listdir(out_c) if p.startswith(".")]
+    assert len(after) == 13 and not temporaries(out_c)
     assert_identical(read_output(out_c), job_a["table"])
 
 

@@ -10,7 +10,6 @@ than ``max_shard_attempts`` times.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import random
@@ -25,9 +24,9 @@ import ray.cloudpickle
 
 import jobs.cluster
 from actors.actor import GenerationActor
-from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, SUCCESS, read_manifest
 from jobs.runner import run_job
-from tests.jobs.helpers import assert_identical, read_output
+from tests.jobs.helpers import assert_identical, read_output, temporaries
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels
 
@@ -157,9 +156,9 @@ def test_actors_killed_three_times_job_matches_clean_run(reliability_job, tmp_pa
     assert len(expected) == 2000 and Counter(table.column("id").to_pylist()) == expected
     assert result.errors == 0 and result.shards_failed == 0 and result.input_rows == 2000
     assert result.shards_retried >= 1
-    committed = json.loads((out / MANIFEST).read_text())["committed"]
+    committed = read_manifest(out)["committed"]
     assert sorted(map(int, committed)) == list(range(20))
     assert all(1 <= e["attempt"] <= attempts for e in committed.values())
     assert any(e["attempt"] > 1 for e in committed.values())
     assert (out / SUCCESS).exists()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # temporaries cleaned
+    assert not temporaries(out)  # temporaries cleaned

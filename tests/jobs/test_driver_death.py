@@ -9,7 +9,6 @@ The third point, mid-job (SIGKILL from outside after some commits), is
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs.manifest import FAULTS_ENV, MANIFEST, SUCCESS
+from jobs.manifest import FAULTS_ENV, MANIFEST, STATE_DIR, SUCCESS, read_manifest
 from jobs.runner import run_job
 from tests.jobs.helpers import assert_identical, part_stats, read_output
 
@@ -35,7 +34,9 @@ def _killed_run(config: dict, path, point: str) -> subprocess.CompletedProcess:
 
 
 def _hidden(out) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    """The hidden files (temporaries) beside the parts and among the markers."""
+    return sorted(p.name for folder in (out, out / STATE_DIR) for p in folder.iterdir()
+                  if p.name.startswith(".") and p.is_file())
 
 
 @pytest.mark.parametrize("point", ["first-commit", "final-manifest"])
@@ -48,10 +49,10 @@ def test_driver_killed_then_rerun_gives_the_clean_rows(reliability_job, ray_loca
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert f"killing the driver at {point}" in killed.stderr
 
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = read_manifest(out)
     committed = manifest["committed"]
     assert not (out / SUCCESS).exists() and "finished" not in manifest
-    assert "._manifest.json.tmp" in _hidden(out)  # the rename that never happened
+    assert ".manifest.parquet.tmp" in _hidden(out)  # the rename that never happened
     if point == "first-commit":
         assert committed == {}  # a part file is in place, its commit was never recorded
         assert list(out.glob("part-*.parquet"))
@@ -61,7 +62,7 @@ def test_driver_killed_then_rerun_gives_the_clean_rows(reliability_job, ray_loca
         with pytest.raises(ValueError, match=r"holds the manifest of a job with a different "
                                              r"configuration \(differs in: sampling_params\)"):
             run_job({**config, "sampling_params": {"max_tokens": 5}}, progress=False)
-        assert (out / MANIFEST).read_bytes() == before and "._manifest.json.tmp" in _hidden(out)
+        assert (out / MANIFEST).read_bytes() == before and ".manifest.parquet.tmp" in _hidden(out)
     else:
         assert sorted(map(int, committed)) == list(range(20))
     parts_before = part_stats(out)
@@ -72,5 +73,5 @@ def test_driver_killed_then_rerun_gives_the_clean_rows(reliability_job, ray_loca
     for entry in committed.values():  # committed shards were not recomputed
         assert after[entry["part"]] == parts_before[entry["part"]]
     assert len(after) == 20 and (out / SUCCESS).exists() and _hidden(out) == []
-    assert "finished" in json.loads((out / MANIFEST).read_text())
+    assert "finished" in read_manifest(out)
     assert_identical(read_output(out), reliability_job.table)

@@ -32,7 +32,9 @@ def test_three_formats_one_schema(tmp_path):
     assert spec.columns == {"id": "id", "prompt": "prompt", "messages": "messages",
                             "token_ids": "prompt_token_ids"}
     schema = spec.schema
-    assert schema.names == ["id", *[f.name for f in GENERATED_FIELDS], "lang", "score"]
+    # the prompt text and messages pass through; token ids are the generated column's
+    assert schema.names == ["id", *[f.name for f in GENERATED_FIELDS], "prompt", "lang",
+                            "messages", "score"]
     assert schema.field("id").type == pa.int64()
     assert schema.field("lang").type == pa.string() and schema.field("score").type == pa.float64()
 
@@ -124,3 +126,14 @@ def test_custom_column_names(tmp_path):
                                       ("x.csv", None), ("x.gz", None)])
 def test_file_format(name, fmt):
     assert file_format(name) == fmt
+
+
+def test_jsonl_rows_of_mixed_types_name_the_column_and_the_line(tmp_path):
+    chat = [{"role": "user", "content": "hi"}]
+    write_jsonl(tmp_path / "a.jsonl", [{"id": 1, "messages": chat}, {"id": 2, "messages": chat},
+                                       {"id": 3, "messages": "hi"}, {"id": 4, "messages": chat}])
+    with pytest.raises(ValueError) as info:
+        discover(_cfg(tmp_path / "a.jsonl"))
+    assert str(info.value) == (
+        f"input: {tmp_path / 'a.jsonl'} line 3: column 'messages' holds a string, but a list "
+        "on line 1; every line must give a column the same type")

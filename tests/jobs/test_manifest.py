@@ -1,4 +1,5 @@
-"""The manifest: created at start, refused for another job, atomic records, temp cleanup."""
+"""The manifest: created at start, refused for another job, atomic records, temp cleanup,
+kept in ``.raygen/`` (older outputs' root markers moved there)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 
 import pytest
 
-from jobs.manifest import MANIFEST, SUCCESS, Manifest, decode_schema, encode_schema
+from jobs.manifest import (LEGACY_MANIFEST, LEGACY_SUCCESS, MANIFEST, STATE_DIR, Manifest,
+                           decode_schema, encode_schema, read_manifest)
 from jobs.storage import resolve
 
 IDENTITY = {"model": "m", "seed": 0}
@@ -17,13 +19,16 @@ PLAN = {"files": [{"path": "/x.parquet", "format": "parquet", "rows": 10, "size"
 def test_created_then_reopened_with_commits(tmp_path):
     out = resolve(str(tmp_path / "out"))
     m = Manifest.open(out, IDENTITY, PLAN)
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["committed"] == {}
+    assert read_manifest(tmp_path / "out")["committed"] == {}
     m.record(1, {"rows": 5})
     again = Manifest.open(out, IDENTITY, PLAN)
     assert again.is_committed(1) and not again.is_committed(0) and not again.finished
     again.finish()
-    assert (tmp_path / "out" / SUCCESS).exists() and Manifest.open(out, IDENTITY, PLAN).finished
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [SUCCESS, MANIFEST]
+    assert (tmp_path / "out" / STATE_DIR / "SUCCESS").exists()
+    assert Manifest.open(out, IDENTITY, PLAN).finished
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [STATE_DIR]
+    assert sorted(p.name for p in (tmp_path / "out" / STATE_DIR).iterdir()) == [
+        "SUCCESS", "manifest.parquet"]
 
 
 def test_other_config_or_input_is_refused(tmp_path):
@@ -44,9 +49,9 @@ def test_foreign_directory_and_corrupt_manifest_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"not empty and holds no raygen manifest \(found "
                                          r"results.csv\)"):
         Manifest.open(resolve(str(tmp_path / "data")), IDENTITY, PLAN)
-    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / STATE_DIR).mkdir(parents=True)
     (tmp_path / "bad" / MANIFEST).write_text("{half")
-    with pytest.raises(ValueError, match="is not valid JSON"):
+    with pytest.raises(ValueError, match="is not a raygen manifest"):
         Manifest.open(resolve(str(tmp_path / "bad")), IDENTITY, PLAN)
 
 
@@ -59,10 +64,24 @@ def test_unwritable_output_is_a_job_error(tmp_path):
 def test_temporaries_are_cleaned(tmp_path):
     out = resolve(str(tmp_path / "out"))
     m = Manifest.open(out, IDENTITY, PLAN)
-    for name in (".part-00000-1.parquet.tmp", "._manifest.json.tmp"):
+    for name in (".part-00000-1.parquet.tmp", f"{STATE_DIR}/.manifest.parquet.tmp"):
         (tmp_path / "out" / name).write_bytes(b"partial")
-    assert sorted(m.clean_temporaries()) == ["._manifest.json.tmp", ".part-00000-1.parquet.tmp"]
-    assert [p.name for p in (tmp_path / "out").iterdir()] == [MANIFEST]
+    assert sorted(m.clean_temporaries()) == [".manifest.parquet.tmp",
+                                             ".part-00000-1.parquet.tmp"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [STATE_DIR]
+    assert [p.name for p in (tmp_path / "out" / STATE_DIR).iterdir()] == ["manifest.parquet"]
+
+
+def test_an_older_outputs_root_markers_move_into_the_state_folder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    old = {"version": 1, "config": IDENTITY, "plan": PLAN, "committed": {"0": {"rows": 5}}}
+    (out / LEGACY_MANIFEST).write_text(json.dumps(old))
+    (out / LEGACY_SUCCESS).write_bytes(b"")
+    m = Manifest.open(resolve(str(out)), IDENTITY, PLAN)
+    assert m.is_committed(0) and m.finished
+    assert read_manifest(out)["committed"] == {"0": {"rows": 5}}
+    assert [p.name for p in out.iterdir()] == [STATE_DIR]
 
 
 def test_schema_round_trip():

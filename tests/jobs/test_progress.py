@@ -52,3 +52,27 @@ def test_totals_sum_the_manifest_entries():
                        "prompt_tokens": 2}}
     assert totals(committed) == {"rows": 5, "output_rows": 6, "errors": 1, "output_tokens": 10,
                                  "prompt_tokens": 7}
+
+
+def test_startup_shows_actors_ready_k_of_n_on_the_bar_and_in_the_log(monkeypatch, caplog):
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    bar = Progress(total_rows=10)
+    bar.add_actors(["actor-0", "actor-1", "actor-2"])
+    bar.actor_ready("actor-1")
+    assert bar._bar.desc == "raygen (starting actors 1/3)"
+    bar.actor_ready("actor-1")  # a replaced actor counts once
+    bar.actor_ready("actor-0")
+    bar.actor_ready("actor-2")
+    assert bar._bar.desc == "raygen"
+    bar.close()
+    assert "starting actors 1/3" in term.getvalue()
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # no terminal: a line each time
+    with caplog.at_level(logging.INFO, logger="jobs.progress"):
+        plain = Progress(total_rows=10)
+        plain.add_actors(["actor-0", "actor-1"])
+        plain.actor_ready("actor-0")
+        plain.actor_ready("actor-1")
+    assert [r.getMessage() for r in caplog.records if r.name == "jobs.progress"] == [
+        "starting actors 0/2", "starting actors 1/2", "actors ready 2/2"]

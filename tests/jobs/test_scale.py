@@ -6,7 +6,6 @@ printed (``-s``) and recorded in docs/reliability.md.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from jobs.manifest import MANIFEST
+from jobs.manifest import MANIFEST, parse_manifest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -49,7 +48,7 @@ class _Sampler(threading.Thread):
 
     def _committed(self) -> int:
         try:
-            return len(json.loads(self.manifest.read_text())["committed"])
+            return len(parse_manifest(self.manifest.read_bytes())["committed"])
         except (OSError, ValueError):
             return 0
 

@@ -58,7 +58,7 @@ def test_rows_become_requests_and_errors_name_row_and_shard(tmp_path):
     [task] = _tasks(tmp_path, rows_per_shard=10, sampling_params={"max_tokens": 3})
     result = process_shard(task, EngineServer(FakeEngine()).run)
     part = pq.read_table(tmp_path / "out" / task.part_name)
-    assert part.schema.equals(output_schema(pa.string()))
+    assert part.schema.equals(output_schema(pa.string(), pa.schema([("prompt", pa.string())])))
     assert part.column("id").to_pylist() == ["a", "a", "b", "c", "d", "e", "f"]
     assert part.column("sample_index").to_pylist() == [0, 1, 0, 0, 0, 0, 0]
     errors = dict(zip(part.column("id").to_pylist(), part.column("error").to_pylist()))
@@ -338,3 +338,23 @@ def test_a_trace_records_every_step_the_shard_phases_and_collections(tmp_path, t
     assert kinds == ["prepare", "build", "batch", "write"]
     assert [e[4] for e in data["events"] if e[0] == "gc" and e[1] == "MainThread"][-1] == 2
     assert gc.callbacks.count(trace._on_gc) == 0
+
+
+def test_a_chat_message_without_content_is_a_row_error(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", [
+        {"id": "ok", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "none", "messages": [{"role": "user"}]},
+        {"id": "null", "messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": None}]},
+    ])
+    [task] = _tasks(tmp_path, rows_per_shard=10, sampling_params={"max_tokens": 2})
+    result = process_shard(task, EngineServer(FakeEngine()).run)
+    part = pq.read_table(tmp_path / "out" / task.part_name)
+    errors = dict(zip(part.column("id").to_pylist(), part.column("error").to_pylist()))
+    assert errors == {
+        "ok": None,
+        "none": "row id 'none' (shard 0): messages: message 0 of the 'messages' column has no "
+                "content",
+        "null": "row id 'null' (shard 0): messages: message 1 of the 'messages' column has no "
+                "content"}
+    assert result.errors == 2

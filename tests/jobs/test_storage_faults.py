@@ -12,7 +12,6 @@ the simulation itself everywhere.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -25,13 +24,13 @@ from actors.serving import EngineServer
 from actors.shard import process_shard
 from jobs.config import JobConfig
 from jobs.sources import discover
-from jobs.manifest import MANIFEST, SUCCESS
+from jobs.manifest import SUCCESS, read_manifest
 from jobs.plan import make_task, plan_shards
 from jobs.runner import run_job
 from jobs.storage import resolve
 from tests.jobs.fakes import FakeActor, FakeEngine, SlowFakeActor
 from tests.jobs.faultfs import MESSAGES, SimulatedStorage, TmpfsStorage
-from tests.jobs.helpers import read_output, write_parquet
+from tests.jobs.helpers import read_output, temporaries, write_parquet
 
 pytestmark = pytest.mark.ray
 
@@ -80,7 +79,7 @@ def _fail_after_commits(store, mode: str, commits: int) -> threading.Thread:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                done = len(json.loads((store.out_dir / MANIFEST).read_text())["committed"])
+                done = len(read_manifest(store.out_dir)["committed"])
             except (OSError, ValueError):
                 done = 0
             if done >= commits:
@@ -108,12 +107,12 @@ def test_storage_fault_mid_job_ends_clearly_and_rerun_resumes(ray_local, clean, 
     assert MESSAGES[mode] in message, message
 
     storage.heal()
-    committed = json.loads((storage.out_dir / MANIFEST).read_text())["committed"]
+    committed = read_manifest(storage.out_dir)["committed"]
     assert 2 <= len(committed) < SHARDS and not (storage.out_dir / SUCCESS).exists()
     result = run_job(config, actor_cls=FakeActor, progress=False)
     assert result.shards_skipped == len(committed) and result.shards == SHARDS
     assert (storage.out_dir / SUCCESS).exists()
-    assert not [p for p in storage.out_dir.iterdir() if p.name.startswith(".")]
+    assert not temporaries(storage.out_dir)
     assert read_output(storage.out_dir).equals(clean_table)
 
 

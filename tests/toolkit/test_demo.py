@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jobs.manifest import SUCCESS
 from sampler import SamplingParams
 from tests.jobs.helpers import is_loopback, listening_addresses, process_tree
 from toolkit.demo import demo_prompts
@@ -68,4 +69,19 @@ def test_demo_runs_and_prints_summary_and_rows(tmp_path):
     assert sorted(set(out.column("id").to_pylist())) == sorted(r["id"] for r in prompts)
     assert out.column("topic").to_pylist().count("chat") >= 4
     assert (tmp_path / "cache" / "tiny-llama" / "raygen_tiny.json").exists()
-    assert (tmp_path / "demo-out" / "_SUCCESS").exists()
+    assert (tmp_path / "demo-out" / SUCCESS).exists()
+
+    # quiet: the summary, the rows and the startup/progress lines; no INFO records, no colour
+    # codes (output is not a terminal), no per-actor weight-loading bars, no Ray auth-token
+    # warning, no nanobind leak dump at actor exit; the details are in the log file
+    both = stdout + stderr
+    for noise in ("INFO ", "\x1b[", "Loading weights", "Writing model shards",
+                  "Token authentication", "nanobind", "shard 0 by"):
+        assert noise not in both, (noise, both[-3000:])
+    progress = [line for line in stderr.splitlines() if line.strip()]
+    assert progress[0] == f"raygen: starting actors 0/{pool}", stderr
+    assert f"raygen: actors ready {pool}/{pool}" in progress, stderr
+    assert progress[-1].startswith("raygen: 12/12 rows"), stderr
+    [log_line] = [line for line in stdout.splitlines() if line.startswith("log:     ")]
+    log = open(log_line.split(maxsplit=1)[1]).read()
+    assert "shard 0 by actor-" in log and "ready (startup: process age" in log, log[-3000:]

@@ -9,6 +9,7 @@ import torch
 
 import toolkit
 from toolkit import SamplingParams, generate
+from sampler.seeding import sample_seed
 from toolkit.generate import clear_engine_cache
 
 torch.set_num_threads(1)
@@ -34,7 +35,9 @@ def test_prompt_kinds_order_and_ids(tiny_llama):
     again = generate([as_ids], SamplingParams(temperature=0.0, max_tokens=5), model=tiny_llama,
                      **OPTIONS)
     assert again[0].output_token_ids == outs[4].output_token_ids
-    assert outs[1].seed == 1 and outs[3].seed == 2
+    # each of n samples its own seed, sample 0 the request's
+    assert [o.seed for o in outs[:3]] == [sample_seed(1, j) for j in range(3)]
+    assert outs[0].seed == 1 and outs[3].seed == 2
     for o in outs:
         assert o.output_text == tok.decode(o.output_token_ids, skip_special_tokens=True)
 

@@ -53,11 +53,13 @@ def test_submit_to_a_cluster_and_status(tmp_path, monkeypatch, tiny_llama, capsy
                 no_token.delenv(name, raising=False)
             no_token.setenv("HOME", str(tmp_path / "home"))
             with pytest.raises(PermissionError,
-                               match=r"needs its auth token \(none was found\)"):
+                               match=r"needs its auth token \(none was found\); pass token= "
+                                     r"or set RAY_AUTH_TOKEN"):
                 submit_job("job.yaml", cluster.url)
             assert main(["submit", "job.yaml", "--address", cluster.url]) == 1
             err = capsys.readouterr().err
             assert err.startswith("raygen: error: Ray at ") and "none was found" in err, err
+            assert "pass --token or set RAY_AUTH_TOKEN" in err and "token=" not in err, err
         job_id = submit_job("job.yaml", cluster.url, token=cluster.token)
         deadline = time.monotonic() + 300
         status = job_status(job_id, cluster.url, token=cluster.token)
@@ -77,6 +79,22 @@ def test_submit_to_a_cluster_and_status(tmp_path, monkeypatch, tiny_llama, capsy
              "--address", cluster.url, "--token", cluster.token],
             capture_output=True, text=True, timeout=60)
         assert missing.returncode == 1 and "no-such-job" in missing.stderr
+        # a second job, stopped at once: `raygen stop`, then `raygen list` shows both
+        other = submit_job({**yaml.safe_load((tmp_path / "job.yaml").read_text()),
+                            "output": "out-stopped"}, cluster.url, token=cluster.token)
+        auth = ["--address", cluster.url, "--token", cluster.token]
+        assert main(["stop", other, *auth]) == 0
+        assert capsys.readouterr().out.startswith(f"{other}: stopping")
+        deadline = time.monotonic() + 120
+        while not job_status(other, cluster.url, token=cluster.token).finished:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+        assert job_status(other, cluster.url, token=cluster.token).status == "STOPPED"
+        assert main(["list", *auth]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        assert [line.split()[:2] for line in listed] == [[job_id, "SUCCEEDED"],
+                                                          [other, "STOPPED"]], listed
+        assert listed[0].endswith(str(tmp_path / "out"))
         tree = process_tree(cluster.process.pid)
     assert cluster.process.returncode is not None
     time.sleep(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sampler import SamplingParams
+from sampler.seeding import sample_seed
 from tests.actors.helpers import by_id, make_engine, random_prompts
 
 
@@ -29,16 +30,18 @@ def test_n_samples_compute_the_prompt_once(tiny_llama, caching, length):
     assert engine.stats.num_prompt_tokens_computed == length
     assert sum(fed) == length + 8 * 11  # the prompt once, then 11 decode inputs per sample
     assert [o.sample_index for o in outs] == list(range(8))
-    assert all(o.num_output_tokens == 12 and o.seed == 4 for o in outs)
+    assert all(o.num_output_tokens == 12 for o in outs)
+    assert [o.seed for o in outs] == [sample_seed(4, j) for j in range(8)]  # each its own
     # eight independent noise streams from one logits row
     assert len({tuple(o.output_token_ids) for o in outs}) == 8
     assert len({o.output_token_ids[0] for o in outs}) > 1
     engine.scheduler.bm.check_invariants()
     assert engine.scheduler.bm.num_free_blocks == engine.kv_cache.num_blocks
 
-    # sample 0 of n is the n=1 request; sample j of n equals sample j of a repeated request
-    solo = engine.generate([("r", prompt, params.replace(n=1))])[0]
-    assert solo.output_token_ids == outs[0].output_token_ids
+    # sample j of n is the n=1 request with sample j's seed; a repeated request repeats them
+    for j in (0, 5):
+        solo = engine.generate([("r", prompt, params.replace(n=1, seed=outs[j].seed))])[0]
+        assert solo.output_token_ids == outs[j].output_token_ids
     assert [o.output_token_ids for o in engine.generate([("r", prompt, params)])] == \
         [o.output_token_ids for o in outs]
 

@@ -46,3 +46,25 @@ def test_unseeded_requests_get_a_reported_reproducible_seed(tiny_llama):
     replay = engine.generate([("x", [5, 6, 7], params.replace(seed=first[0].seed))])[0]
     assert replay.output_token_ids == first[0].output_token_ids
     assert first[0].output_token_ids != first[1].output_token_ids
+
+
+@pytest.mark.parametrize("seed", [1234, None])
+def test_each_of_n_samples_reports_its_own_seed_and_reproduces_alone(tiny_llama, seed):
+    from sampler.seeding import sample_seed
+
+    prompt = random_prompts([9], 512, seed=52)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=seed, logprobs=1,
+                            ignore_eos=True)
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    samples = engine.generate([("r", prompt, params)])
+    assert [o.sample_index for o in samples] == [0, 1, 2]
+    seeds = [o.seed for o in samples]
+    assert len(set(seeds)) == 3  # each sample its own seed ...
+    assert seeds == [sample_seed(seeds[0], j) for j in range(3)]
+    if seed is not None:
+        assert seeds[0] == seed  # ... sample 0 keeps the request's
+    assert len({tuple(o.output_token_ids) for o in samples}) == 3
+    for o in samples:  # ... and n=1 with it reproduces the sample alone
+        [alone] = engine.generate([("a", prompt, params.replace(n=1, seed=o.seed))])
+        assert alone.output_token_ids == o.output_token_ids and alone.seed == o.seed
+        assert alone.logprobs == pytest.approx(o.logprobs, abs=1e-5)

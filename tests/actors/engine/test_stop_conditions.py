@@ -42,7 +42,8 @@ def test_max_tokens(engine, greedy):
 def test_eos_stops_after_min_tokens_and_ignore_eos(engine):
     eos = engine.tokenizer.eos_token_id
     out = run(engine, max_tokens=20, min_tokens=3, logit_bias={eos: 100.0})
-    assert out.finish_reason == "stop" and out.stop_reason == str(eos)
+    # as vLLM: an EOS token stops the row with no stop reason (a stop id or string has one)
+    assert out.finish_reason == "stop" and out.stop_reason is None and out.stop_token_id is None
     assert out.num_output_tokens == 4 and out.output_token_ids[-1] == eos
     assert eos not in out.output_token_ids[:3]
     assert "<|im_end|>" not in out.output_text
@@ -67,7 +68,9 @@ def test_stop_token_ids_and_min_tokens(engine, greedy):
     ids = greedy[0]
     k = _first_new(ids, 3)
     out = run(engine, max_tokens=40, ignore_eos=True, stop_token_ids=[ids[k]])
-    assert out.finish_reason == "stop" and out.stop_reason == str(ids[k])
+    assert out.finish_reason == "stop" and out.stop_reason == ids[k]  # the id, an int
+    assert type(out.stop_reason) is int and out.stop_token_id == ids[k]
+    assert out.to_dict()["stop_reason"] is None and out.to_dict()["stop_token_id"] == ids[k]
     assert out.output_token_ids == ids[:k + 1]
 
     late = run(engine, max_tokens=k + 8, ignore_eos=True, stop_token_ids=[ids[k]],
