@@ -132,8 +132,8 @@ def test_grammar_end_stops_without_eos_and_eos_only_where_it_may_end(llama_engin
                                   for i in range(4)])
     for out in outs:
         if out.finish_reason == "stop":
-            assert out.output_token_ids[-1] in eos and out.stop_reason == str(
-                out.output_token_ids[-1])
+            # as vLLM: an EOS token ends the row with no stop reason
+            assert out.output_token_ids[-1] in eos and out.stop_reason is None
             assert len(out.output_text) % 2 == 0
 
 
