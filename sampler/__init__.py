@@ -20,6 +20,7 @@ _EXPORTS = {
     "Sampler": "sampler.sampler",
     "SamplerOutput": "sampler.sampler_output",
     "SamplingParams": "sampler.params",
+    "StructuredOutputsParams": "sampler.structured_params",
     "compute_prompt_logprobs": "sampler.prompt_logprobs",
     "derive_seed": "sampler.seeding",
     "sample_logits": "sampler.functional",
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from sampler.prompt_logprobs import compute_prompt_logprobs
     from sampler.sampler import Sampler
     from sampler.seeding import derive_seed
+    from sampler.structured_params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -181,7 +181,7 @@ class FlashInferPipeline:
                    plan: StepPlan, *, inplace: bool) -> torch.Tensor:
         """Steps 2–6 when the plan needs them, into float32 logits the caller's raw values
         never depend on; else ``logits`` itself (any dtype)."""
-        if not (plan.do_allowed or plan.do_bad_words or plan.do_min_tokens
+        if not (plan.do_allowed or plan.do_grammar or plan.do_bad_words or plan.do_min_tokens
                 or plan.do_logit_bias or plan.do_penalties):
             return logits
         if logits.dtype != torch.float32:

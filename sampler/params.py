@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+from sampler.structured_params import StructuredOutputsParams
+
 LogprobsMode = Literal[
     "raw_logprobs",
     "raw_logits",
@@ -122,6 +124,8 @@ class SamplingParams:
         allowed_token_ids: if set, every other token is masked.
         bad_words: words whose last token is masked after their prefix was generated.
         detokenize, skip_special_tokens, spaces_between_special_tokens: text output.
+        structured_outputs: a constraint on the text (:class:`StructuredOutputsParams`, or
+            a mapping / JSON text of its fields), or None.
 
     Example:
         >>> p = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=32, seed=1)
@@ -153,6 +157,7 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -250,6 +255,8 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
         self.bad_words = _as_str_list("bad_words", self.bad_words or [])
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     def with_seed(self, seed: Any) -> SamplingParams:
         """A copy with ``seed`` set, validated as the constructor validates it (-1: no seed)."""
@@ -387,6 +394,8 @@ class SamplingParams:
                 out[key] = list(out[key])
         if out["logit_bias"] is not None:
             out["logit_bias"] = dict(out["logit_bias"])
+        if out["structured_outputs"] is not None:
+            out["structured_outputs"] = out["structured_outputs"].to_dict()
         return out
 
     def replace(self, **changes: Any) -> SamplingParams:

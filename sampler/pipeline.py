@@ -21,6 +21,7 @@ from sampler.ops import (
     apply_min_tokens,
     apply_penalties,
     apply_temperature,
+    apply_token_bitmask,
     apply_top_k_top_p,
     compute_logprob_outputs,
     compute_sampled_ids,
@@ -67,9 +68,12 @@ def _raw_values(
 
 
 def apply_masks_and_penalties(x: torch.Tensor, idx: torch.Tensor, state, plan: StepPlan) -> None:
-    """Steps 2-6 (allowed ids, bad words, min_tokens, logit bias, penalties) on float32 ``x``
-    in place, each only when the plan needs it."""
+    """Steps 2-6 (grammar masks, allowed ids, bad words, min_tokens, logit bias, penalties)
+    on float32 ``x`` in place, each only when the plan needs it."""
     f, i = state.fparams, state.iparams
+    if plan.do_grammar:
+        mask = state.token_bitmask
+        apply_token_bitmask(x, mask.bits, mask.rows)
     if plan.do_allowed:
         apply_allowed_token_ids(x, idx, state.has_allowed, state.allowed_mask)
     if plan.do_bad_words:

@@ -7,7 +7,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dataclasses import replace
+
 from sampler.backends import pipeline_fn, resolve_backend
+from sampler.grammar_mask import StepBitmask, check_bitmask
 from sampler.ops.gumbel import NoisePrecision
 from sampler.sampler_output import SamplerOutput
 from sampler.params import SamplingParams
@@ -162,7 +165,8 @@ class Sampler:
         return device_slots, host
 
     def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
-               device_slots: torch.Tensor | None = None) -> SamplerOutput:
+               device_slots: torch.Tensor | None = None,
+               token_bitmask: StepBitmask | None = None) -> SamplerOutput:
         """Samples one token per row and advances each row's slot.
 
         Args:
@@ -174,6 +178,10 @@ class Sampler:
             device_slots: optional int64 ``[rows]`` copy of host ``slots`` already on the
                 device (an engine uploads it with its step inputs): the step then makes no
                 host-to-device copy of its own. Its values are trusted to equal ``slots``.
+            token_bitmask: the grammar masks of the step's constrained rows
+                (:class:`~sampler.grammar_mask.StepBitmask`), or None: a masked token is
+                -inf after the raw snapshot (raw logprobs modes see the model's logits,
+                processed ones the masked logits).
 
         Returns:
             :class:`~sampler.sampler_output.SamplerOutput` on the device. The slots' output
@@ -186,6 +194,17 @@ class Sampler:
         idx, rows_host = self._index(slots, logits.shape[0], device_slots)
         self.state.flush()
         plan = self._plans.get(self.state, rows_host)
+        if token_bitmask is not None:
+            check_bitmask(token_bitmask, logits.shape[0], self.vocab_size)
+            plan = replace(plan, do_grammar=True)
+        self.state.token_bitmask = token_bitmask
+        try:
+            return self._sample(logits, idx, rows_host, plan)
+        finally:
+            self.state.token_bitmask = None
+
+    def _sample(self, logits: torch.Tensor, idx: torch.Tensor, rows_host: np.ndarray | None,
+                plan) -> SamplerOutput:
         if self.backend == "triton":  # recorded by the step's kernels (no torch ops)
             return self._run(logits, idx, self.state, plan, inplace=True,
                              precision=self.noise_precision, record_rows=(rows_host,))

@@ -131,6 +131,9 @@ class SamplerState:
         # finishes the row, then sets it back to 0): the Triton greedy step in one launch
         self.arrivals = torch.zeros(s, dtype=torch.int32, device=device)
         self._staged: dict[int, _Staged] = {}
+        # the grammar masks of the step being sampled (a sampler.grammar_mask.StepBitmask),
+        # set by Sampler.sample for that step only
+        self.token_bitmask = None
         self._params_dirty = True
         self._tables_dirty = True
 

@@ -39,6 +39,8 @@ class StepPlan:
         any_greedy, any_random: whether some row is greedy / random.
         do_allowed, do_bad_words, do_min_tokens, do_logit_bias, do_penalties: masks and
             penalties (steps 2–6).
+        do_grammar: the step carries grammar masks (``Sampler.sample(token_bitmask=)``, step
+            2: applied after the raw snapshot, before the other masks).
         do_temperature, do_min_p, do_top_k, do_top_p: steps 8–11 (random rows only).
         max_top_k: the largest active top-k (0 when none).
         all_top_k: every random row has an active top-k (vacuously true with none).
@@ -55,6 +57,7 @@ class StepPlan:
     any_greedy: bool
     any_random: bool
     do_allowed: bool = False
+    do_grammar: bool = False
     do_bad_words: bool = False
     do_min_tokens: bool = False
     do_logit_bias: bool = False
@@ -75,7 +78,8 @@ class StepPlan:
     def mutates(self) -> bool:
         """Whether any step writes the working logits."""
         return (
-            self.do_allowed or self.do_bad_words or self.do_min_tokens or self.do_logit_bias
+            self.do_allowed or self.do_grammar or self.do_bad_words or self.do_min_tokens
+            or self.do_logit_bias
             or self.do_penalties or self.do_temperature or self.do_min_p or self.do_top_k
             or self.do_top_p
         )

@@ -13,6 +13,7 @@ from toolkit.generate import generate  # noqa: E402,F401
 # Everything else loads on first access (module __getattr__, PEP 562).
 _LAZY = {
     "SamplingParams": "sampler.params",
+    "StructuredOutputsParams": "sampler.structured_params",
     "GenerationOutput": "actors.engine.generation_output",
     "JobConfig": "jobs.config",
     "JobResult": "jobs.progress",
@@ -24,7 +25,8 @@ _LAZY = {
 }
 
 __all__ = ["GenerationOutput", "JobConfig", "JobResult", "RolloutPool", "SamplingParams",
-           "generate", "job_status", "run_batch", "run_job", "submit_job"]
+           "StructuredOutputsParams", "generate", "job_status", "run_batch", "run_job",
+           "submit_job"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ import torch
 from actors.engine.model.model_runner import ModelRunner
 from actors.engine.scheduler import SchedulerOutput
 from actors.engine.sequence import PENDING, Request, Sequence
+from actors.engine.structured import StructuredOutputs
 from sampler import AsyncOutput, Sampler, SamplerOutput, compute_prompt_logprobs
 from sampler.ops.token_logprobs import compute_token_logprobs
 
@@ -51,12 +52,16 @@ class StepExecutor:
         runner: the model runner.
         sampler: the stateful sampler (one slot per running sequence).
         prompt_logprobs_chunk: rows per LM-head chunk when scoring prompts.
+        structured: the engine's structured outputs (grammar masks of constrained rows),
+            or None.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, prompt_logprobs_chunk: int):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, prompt_logprobs_chunk: int,
+                 structured: StructuredOutputs | None = None):
         self.runner = runner
         self.sampler = sampler
         self.chunk = prompt_logprobs_chunk
+        self.structured = structured
 
     @torch.no_grad()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
@@ -66,7 +71,7 @@ class StepExecutor:
         inputs = self.runner.prepare(sched)
         step, hidden = self.forward(sched, inputs, prev)
         if sched.sample_seqs:
-            self.sample(sched, inputs, self.logits(hidden), step)
+            self.sample(sched, inputs, self.logits(hidden), step, prev)
         return step
 
     def forward(self, sched: SchedulerOutput, inputs, prev: InflightStep | None
@@ -86,15 +91,21 @@ class StepExecutor:
         return logits
 
     def sample(self, sched: SchedulerOutput, inputs, logits: torch.Tensor,
-               step: InflightStep) -> None:
+               step: InflightStep, prev: InflightStep | None = None) -> None:
         """Samples every row, starts the copies back, marks each row's token PENDING."""
         sample_seqs = sched.sample_seqs
         wants_extra = any([seq.request.token_logprobs for seq in sample_seqs])
         # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
         # backend's fallback): keep the raw ones for the extra logprobs
         raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
+        mask = None
+        structured = self.structured
+        if structured is not None and structured.num_active:
+            # the forward is queued: the host advances the matchers with the previous
+            # step's ids and fills this step's masks meanwhile
+            mask = structured.step_mask(sample_seqs, lambda: prev.output.get().token_ids)
         out = self.sampler.sample(logits, inputs.sample_slots,
-                                  device_slots=self.runner.sample_slots)
+                                  device_slots=self.runner.sample_slots, token_bitmask=mask)
         if wants_extra:
             step.token_logprobs = self._token_logprobs(raw, out.token_ids, sample_seqs)
         step.output = AsyncOutput(out)

@@ -26,6 +26,7 @@ from actors.engine.executor import InflightStep, StepExecutor
 from actors.engine.generation_output import GenerationOutput
 from actors.engine.sequence import Request, Sequence
 from actors.engine.sleep import SleepController
+from actors.engine.structured import StructuredOutputs
 from actors.engine.weights import WeightLoader
 from sampler.seeding import sample_seed
 
@@ -107,7 +108,13 @@ class Engine:
         self.sampler = parts.sampler
         self.inputs = parts.inputs
         self.outputs = parts.outputs
-        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk)
+        self.structured = StructuredOutputs(
+            self.tokenizer, vocab_size=self.loaded.vocab_size,
+            eos_token_ids=self.sampler.eos_token_ids, device=self.sampler.device,
+            max_num_seqs=self.config.max_num_seqs)
+        self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk,
+                                     self.structured)
+        self._compiling: list[Request] = []  # requests whose constraint is still compiling
         self._requests: dict[Any, Request] = {}
         self._inflight: InflightStep | None = None
         self._ready: list[GenerationOutput] = []
@@ -209,7 +216,32 @@ class Engine:
         seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
         request.sequences.append(seq)
         self._requests[request_id] = request
+        constraint = request.params.structured_outputs
+        if constraint is not None:  # compiled off this thread; admitted once it is done
+            request.grammar = self.structured.submit(constraint)
+            if request.params.min_tokens:  # the grammar alone decides where the text may end
+                request.params = request.params.replace(min_tokens=0)
+            self._compiling.append(request)
         self.scheduler.add(seq)
+
+    def _check_compiled(self) -> None:
+        """Requests whose constraint failed to compile end as errors (before any device
+        work); the others become admissible."""
+        still = []
+        for request in self._compiling:
+            if not request.grammar.done():
+                still.append(request)
+                continue
+            error = request.grammar.result().error
+            if error is None or self._requests.get(request.request_id) is not request:
+                continue
+            for seq in request.sequences:
+                self.scheduler.finish(seq)
+            self._requests.pop(request.request_id, None)
+            self._ready += self.outputs.error_outputs(
+                request.request_id, request.params.n, error, seed=request.seed,
+                num_prompt_tokens=request.num_prompt_tokens)
+        self._compiling = still
 
     def _reject(self, request_id: Any, params: Any, reason: str) -> None:
         """Error outputs for a request that cannot run (n and seed as far as its params can
@@ -236,6 +268,7 @@ class Engine:
     def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
         for slot in self.scheduler.finish(seq):
             self.sampler.remove_request(slot)
+        self.structured.release(seq)
         request = seq.request
         request.num_unfinished -= 1
         if request.num_unfinished <= 0:
@@ -253,7 +286,12 @@ class Engine:
             if self.replica is not None:
                 self.replica.check_alive()
             self._drain_inbox()
+            if self._compiling:
+                self._check_compiled()
             sched = self.scheduler.schedule()
+            if sched.is_empty and self._inflight is None and self._compiling:
+                # nothing can run until a constraint compiles: wait for one, not spin
+                self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             for slot in sched.released_slots:
                 self.sampler.remove_request(slot)
             for seq in sched.admitted:
@@ -278,6 +316,8 @@ class Engine:
     def _admit_to_sampler(self, seq: Sequence) -> None:
         request = seq.request
         self.outputs.start(seq)
+        if request.grammar is not None:
+            self.structured.start(seq)
         self.sampler.add_request(
             # each sample draws from its own seed (stream 0): alone with n=1 it draws the same
             seq.slot, request.params, request.prompt_token_ids,

@@ -86,7 +86,7 @@ class OutputProcessor:
             token, pos = tokens[row], pending_pos[row]
             end = pos + 1
             if (seq.detok is None and end < seq.max_num_tokens and end < max_len
-                    and token not in seq.request.stop_token_ids):
+                    and seq.grammar is None and token not in seq.request.stop_token_ids):
                 # append_token's path for a token that cannot end the sequence (no text to
                 # check for stop strings, not a stop token, not the last allowed position),
                 # inlined: this loop runs for every row of every step
@@ -118,6 +118,12 @@ class OutputProcessor:
         params = request.params
         num_out = pos + 1 - seq.num_prompt
         detok = seq.detok
+        grammar = seq.grammar
+        if grammar is not None:
+            grammar.catch_up(seq)
+            if grammar.error is not None:
+                seq.error = grammar.error
+                return self._finish(seq, pos, "error", None)
         stop_allowed = num_out >= params.min_tokens
         if stop_allowed and token_id in request.stop_token_ids:
             if detok is not None:
@@ -136,6 +142,10 @@ class OutputProcessor:
                 if hit is not None:
                     detok.text = detok.text[:hit[1]]
                     return self._finish(seq, pos, "stop", hit[0])
+        if grammar is not None and grammar.is_stopped:  # the grammar ended: nothing may follow
+            if detok is not None:
+                detok.flush()
+            return self._finish(seq, pos, "stop", None)
         if pos + 1 >= seq.max_num_tokens or pos + 1 >= self.max_model_len:  # max_tokens
             if detok is not None:
                 detok.flush()
@@ -221,6 +231,7 @@ class OutputProcessor:
             if request.prompt_top_logprobs is not None else None,
             raw_logprobs=seq.raw_logprobs,
             temperature_logprobs=seq.temperature_logprobs,
+            error=seq.error,
         )
 
     @staticmethod

@@ -5,7 +5,8 @@ Pure Python over ``Sequence`` objects and a ``BlockManager``; no model, no torch
    when pages run out the newest running sequence is preempted (its pages freed, recomputed
    later), possibly the one being scheduled;
 2. waiting sequences in arrival order (preempted ones first), with prefix-cache hits, while
-   the budget, the sampler slots and the pages allow (none when step 1 preempted).
+   the budget, the sampler slots and the pages allow (none when step 1 preempted); a
+   sequence whose structured-output constraint is still compiling is passed over.
 A request asking for n samples holds n slots from admission; its prompt is computed once and
 the sequence forks into n when its last prompt chunk is scheduled (full pages shared, the
 partial last page copied).
@@ -232,6 +233,10 @@ class Scheduler:
         bs = self.block_size
         while self.waiting and budget > 0 and (limit is None or len(out.admitted) < limit):
             seq = self.waiting[0]
+            if seq.request.grammar is not None and seq.request.is_compiling:
+                seq = self._first_ready()  # it waits without holding the queue
+                if seq is None:
+                    break
             if seq.num_pending or len(self.free_slots) < seq.fanout:
                 break
             self._update_hashes(seq)
@@ -242,7 +247,10 @@ class Scheduler:
             need = total - len(hits) + self._fork_pages(seq, num_cached + num_new)
             if need + self.bm.num_free_among(hits) > self.bm.num_free_blocks:
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             self.bm.share(hits)
             self.bm.num_hit_blocks += len(hits)
             seq.block_table = list(hits)
@@ -258,6 +266,13 @@ class Scheduler:
             budget -= num_new
 
     # ------------------------------------------------------------------ helpers
+    def _first_ready(self) -> Sequence | None:
+        """The first waiting sequence whose request is not compiling its constraint."""
+        for seq in self.waiting:
+            if not seq.request.is_compiling:
+                return seq
+        return None
+
     def _fork_pages(self, seq: Sequence, computed_after: int) -> int:
         """Extra pages the fork needs when this chunk completes a fanning-out prompt."""
         if seq.fanout > 1 and computed_after == seq.num_tokens and seq.num_tokens % self.block_size:

@@ -38,6 +38,13 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     # RL: also record raw and temperature logprobs of each sampled token (actors/rollout)
     token_logprobs: bool = False
+    # structured outputs: the future of the compiled constraint (actors.engine.structured), or None
+    grammar: Any = None
+
+    @property
+    def is_compiling(self) -> bool:
+        """Whether the request's constraint is still compiling (it waits to be admitted)."""
+        return self.grammar is not None and not self.grammar.done()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +87,7 @@ class Sequence:
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None
+    grammar: Any = None             # its own actors.engine.structured.SequenceGrammar (constrained)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None

@@ -56,7 +56,7 @@ class StepTimer:
             if sched.sample_seqs:
                 logits = executor.logits(hidden)
                 self.mark("sample")
-                executor.sample(sched, inputs, logits, step)
+                executor.sample(sched, inputs, logits, step, prev)
             self.end_step()
             return step
 

@@ -454,7 +454,7 @@ def _cand_finish_kernel(
             y = _processed(raw, ids, lv, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
                            rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS,
                            stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NW, pbits_ptr, False,
-                           HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, False)
+                           pbits_ptr, -1, 1, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, False, False)
             y = tl.where(lv, y, NEG)
             if greedy:
                 tv = tl.max(y, 0)

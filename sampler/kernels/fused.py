@@ -23,6 +23,7 @@ from sampler.kernels.record import _record_row
 from sampler.kernels.reductions import _best, _lse, _mode_value, _token_value
 from sampler.kernels.row_stats import _chunk_stats, _stats_range
 from sampler.kernels.select import _key_id, _key_value
+from sampler.kernels.token_bitmask_kernel import _mask_row
 
 
 @triton.jit
@@ -31,9 +32,10 @@ def _sample(
     draw1, d_tok, sel_on, from_cands, cand_p, p_n, k0, k1,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ANY_RANDOM: tl.constexpr, SKIP: tl.constexpr, CAP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """The draw step: (token, kept-set threshold ``v_star``). Greedy rows keep pass 1's
@@ -61,8 +63,8 @@ def _sample(
                     base, 0, V, row, slot, V, W, T, v_star, m_s, NEG, NEG, k0, k1,
                     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-                    ban_ptr, NBAN, allowed_ptr, row_allowed,
-                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+                    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+                    R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
                     DRAW=True, COUNT=False, MASS=False, TOTAL=False, SKIP=SKIP,
                     PREFETCH=PREFETCH)
     return tok, v_star
@@ -119,11 +121,11 @@ def _fused_sampler_kernel(
     bias_ids_ptr, bias_vals_ptr, NBIAS,
     stop_ids_ptr, NSTOP,
     ban_ptr, NBAN,
-    allowed_ptr,
+    allowed_ptr, gbits_ptr, grow_ptr, GW,
     cand_ptr, counter_ptr, part_ptr, part_i_ptr, NCHUNK,
     tok_ptr, lp_ptr, rank_ptr, topk_id_ptr, topk_val_ptr, KOUT, thr_ptr, done_ptr,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr, ANY_SEL: tl.constexpr,
     ANY_MASS: tl.constexpr, ANY_RK: tl.constexpr, HIST: tl.constexpr, SKIP: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
@@ -154,6 +156,7 @@ def _fused_sampler_kernel(
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
     greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
     row_allowed = tl.load(iparams_ptr + slot * stride_i + 7) != 0
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     pos = tl.load(positions_ptr + slot)
     row_pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     min_tok_active = pos < min_tokens
@@ -189,8 +192,9 @@ def _fused_sampler_kernel(
             base, 0, V, row, slot, V, W, T, greedy, lp_on, mode,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            HAS_GRAMMAR, ANY_LP, ANY_RANDOM,
             DRAW1=DRAW1, draw1=draw1, k0=k0, k1=k1, PREFETCH=PREFETCH)
         if DRAW1:
             d_tok, d_sx, _db = _draw_result(d_sv, d_si, d_ss)
@@ -211,8 +215,8 @@ def _fused_sampler_kernel(
                 d_tok, d_sx,
                 pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
                 bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-                ban_ptr, NBAN, allowed_ptr, row_allowed,
-                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ROUNDS=6,
+                ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+                R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, ROUNDS=6,
                 PREFETCH=PREFETCH)
 
     # ---------------------------------------------------------------- selection
@@ -235,8 +239,9 @@ def _fused_sampler_kernel(
             fast_done, lp_on, nlp, mode, acc_ms, acc_mr, cand_p, cand_r, ctr_p, ctr_r,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_MASS,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            HAS_GRAMMAR, ANY_LP, ANY_MASS,
             HIST, BLOCK, NP, CAP, MAX_PASSES, W0, PREFETCH)
 
     # ---------------------------------------------------------------- the draw
@@ -245,8 +250,9 @@ def _fused_sampler_kernel(
         draw1, d_tok, sel_on, from_cands, cand_p, p_n, k0, k1,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_RANDOM, SKIP, CAP,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        HAS_GRAMMAR, ANY_RANDOM, SKIP, CAP,
         PREFETCH)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(thr_ptr + row, v_star)

@@ -27,9 +27,10 @@ def _selection_pass(
     r_phase, r_lo, r_w, r_hi, r_t0, cand_r, ctr_r,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_MASS: tl.constexpr, HIST: tl.constexpr, BLOCK: tl.constexpr,
     NP: tl.constexpr, CAP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
@@ -49,8 +50,8 @@ def _selection_pass(
         offs, vmask, raw, x = _tile_of(
             cur, start, row, slot, V, W, V, pbits_ptr, pmask_ptr, counts_ptr, rep,
             freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
-            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if p_phase < 4:
             s = tl.math.div_rn(x, T)
             valid = (s >= p_floor) & (s > NEG)
@@ -85,9 +86,10 @@ def _select(
     lp_on, nlp, mode, acc_ms, acc_mr, cand_p, cand_r, ctr_p, ctr_r,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_MASS: tl.constexpr, HIST: tl.constexpr, BLOCK: tl.constexpr,
     NP: tl.constexpr, CAP: tl.constexpr, MAX_PASSES: tl.constexpr, W0: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -152,8 +154,9 @@ def _select(
             r_phase, r_lo, r_w, r_hi, r_t0, cand_r, ctr_r,
             pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
             bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-            ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_MASS,
+            ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+            HAS_GRAMMAR, ANY_LP, ANY_MASS,
             HIST, BLOCK, NP, CAP, PREFETCH)
         tl.debug_barrier()
         # ---- P update

@@ -7,7 +7,9 @@ others and the rows the path leaves; other all-greedy steps run the greedy split
 vocab chunks, then the fused kernel). Same contract as :func:`sampler.pipeline.run_pipeline`.
 Batches that ask for what the kernels do not compute (processed logprobs modes, whole-vocab
 logprobs, more top-k logprobs than the candidate list, fp64 noise) run on the torch path; the
-choice is made on the host from the step plan, without a device sync.
+choice is made on the host from the step plan, without a device sync. Steps with grammar masks
+(``HAS_GRAMMAR``) skip the candidate path and the one-launch greedy step: the fused kernel and
+the greedy split's pass 1 apply the masks on the tiles they read.
 """
 
 from __future__ import annotations
@@ -121,10 +123,10 @@ def run_pipeline_triton(
     t = kernel_tables(state, plan, idx_mapping, bans)
     flags = dict(HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias,
                  HAS_STOP=plan.do_min_tokens, HAS_BAN=plan.do_bad_words,
-                 HAS_ALLOWED=plan.do_allowed, ANY_LP=plan.any_logprobs,
-                 ANY_RANDOM=plan.any_random)
+                 HAS_ALLOWED=plan.do_allowed, HAS_GRAMMAR=plan.do_grammar,
+                 ANY_LP=plan.any_logprobs, ANY_RANDOM=plan.any_random)
     tables = (t.pbits, t.pmask, t.counts, t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop,
-              t.bans, t.nban, t.allowed)
+              t.bans, t.nban, t.allowed, t.gbits, t.grow, t.gw)
     head = (logits, logits.stride(0), vocab, t.W, idx_mapping, state.fparams,
             state.fparams.stride(0), state.iparams, state.iparams.stride(0), state.positions)
     nchunk = 1
@@ -228,10 +230,11 @@ def _run_greedy_one(cfg: LaunchConfig, plan: StepPlan, rows: int, vocab: int, de
 
 def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
     """Whether a step runs the candidate path (unless :func:`greedy_one` takes it): some row
-    may be eligible for it, and the step is not all-greedy without top logprobs (the greedy
-    split's kernels are faster there)."""
+    may be eligible for it, the step is not all-greedy without top logprobs (the greedy
+    split's kernels are faster there), and it carries no grammar masks (the candidate
+    kernels do not read them: the fused kernel applies them on its tiles)."""
     greedy_split = cfg.greedy_split and not plan.any_random and plan.max_num_logprobs == 0
-    return (cfg.cand and not greedy_split
+    return (cfg.cand and not greedy_split and not plan.do_grammar
             and plan.min_select_k <= cfg.cand_kmax)
 
 

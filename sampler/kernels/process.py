@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sampler.kernels.tables import kernel_tables
+from sampler.kernels.token_bitmask_kernel import _bitmask_tile, _mask_row
 
 
 @triton.jit
@@ -24,12 +25,15 @@ def _processed(
     bias_ids_ptr, bias_vals_ptr, NBIAS,
     stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN,
-    allowed_ptr, row_allowed,
+    allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
 ):
-    """Pipeline steps 2-6 on one tile of raw fp32 logits."""
+    """Pipeline steps 2-6 on one tile of raw fp32 logits (the grammar mask first: ``mrow``
+    is the row's index in ``gbits_ptr``, -1 for an unconstrained row)."""
     x = raw
+    if HAS_GRAMMAR:
+        x = _bitmask_tile(x, offs, vmask, gbits_ptr, mrow, GW)
     if HAS_ALLOWED:
         if row_allowed:
             a = tl.load(allowed_ptr + slot * V + offs, mask=vmask, other=0)
@@ -95,14 +99,16 @@ def _processing_kernel(
     x_ptr, stride_row, V, W, idx_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, fparams_ptr, stride_f,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, iparams_ptr, stride_i, pos_ptr,
-    ban_ptr, NBAN, allowed_ptr,
+    ban_ptr, NBAN, allowed_ptr, gbits_ptr, grow_ptr, GW,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(idx_ptr + row)
     _T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
         fparams_ptr, stride_f, iparams_ptr, stride_i, pos_ptr, slot)
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     base = x_ptr + row.to(tl.int64) * stride_row
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -111,7 +117,8 @@ def _processing_kernel(
         x = _processed(x, offs, vmask, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
                        rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS,
                        stop_ids_ptr, NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr,
-                       row_allowed, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+                       row_allowed, gbits_ptr, mrow, GW, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN,
+                       HAS_ALLOWED, HAS_GRAMMAR)
         tl.store(base + offs, x, mask=vmask)
 
 
@@ -136,8 +143,9 @@ def apply_processing(logits: torch.Tensor, idx_mapping: torch.Tensor, state, pla
         logits, logits.stride(0), vocab, t.W, idx_mapping,
         t.pbits, t.pmask, t.counts, state.fparams, state.fparams.stride(0),
         t.bias_ids, t.bias_vals, t.nbias, t.stop_ids, t.nstop, state.iparams,
-        state.iparams.stride(0), state.positions, t.bans, t.nban, t.allowed,
-        HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias, HAS_STOP=plan.do_min_tokens,
-        HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
+        state.iparams.stride(0), state.positions, t.bans, t.nban, t.allowed, t.gbits, t.grow,
+        t.gw, HAS_PEN=plan.do_penalties, HAS_BIAS=plan.do_logit_bias,
+        HAS_STOP=plan.do_min_tokens, HAS_BAN=plan.do_bad_words, HAS_ALLOWED=plan.do_allowed,
+        HAS_GRAMMAR=plan.do_grammar,
         BLOCK=min(2048, triton.next_power_of_2(vocab)), enable_fp_fusion=False,
     )

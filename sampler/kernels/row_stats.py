@@ -12,6 +12,7 @@ from sampler.kernels.draw import _draw_tile_lazy
 from sampler.kernels.process import _row_processing
 from sampler.kernels.reductions import _best, _lse_pair, _online_lse
 from sampler.kernels.tiles import _first_tiles, _next_tile, _processed_at, _tile_of
+from sampler.kernels.token_bitmask_kernel import _mask_row
 
 
 @triton.jit
@@ -19,9 +20,10 @@ def _stats_range(
     base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     ANY_LP: tl.constexpr, ANY_RANDOM: tl.constexpr,
     DRAW1: tl.constexpr = False, draw1=False, k0=0, k1=0, PREFETCH: tl.constexpr = 1,
 ):
@@ -53,8 +55,8 @@ def _stats_range(
         offs, vmask, raw, x = _tile_of(
             cur, start, row, slot, V, W, hi, pbits_ptr, pmask_ptr, counts_ptr, rep, freq,
             pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if greedy | (not ANY_RANDOM):  # the index is found after the loop
             tv = tl.max(x, 1)
             upd = tv > acc_bv
@@ -77,8 +79,8 @@ def _stats_range(
         acc_bi = _lane_argmax(
             base, best_tile, acc_bs, acc_bv, hi, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr,
             rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP,
-            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed,
-            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, KEPT=KEEP)
+            min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+            R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, KEPT=KEEP)
     else:
         acc_bi = acc_bs
         acc_ms = tl.math.div_rn(acc_ms, T)
@@ -90,9 +92,10 @@ def _lane_argmax(
     base, kept, tile_start, best, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
     KEPT: tl.constexpr,
 ):
     """Each lane's greedy index: the lowest one of the lane's ``VEC`` tokens in the tile at
@@ -110,8 +113,8 @@ def _lane_argmax(
     _m, x = _processed_at(
         raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
         row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     j = tl.min(tl.where(x == best[:, None], col[None, :], VEC - 1), 1)
     return tile_start + lane * VEC + j
 
@@ -121,10 +124,11 @@ def _stats_kernel(
     logits_ptr, stride_row, V, W,
     idx_ptr, fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr,
     pbits_ptr, pmask_ptr, counts_ptr, bias_ids_ptr, bias_vals_ptr, NBIAS,
-    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr,
+    stop_ids_ptr, NSTOP, ban_ptr, NBAN, allowed_ptr, gbits_ptr, grow_ptr, GW,
     part_ptr, part_i_ptr, NCHUNK, CHUNK,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, ANY_LP: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr, ANY_LP: tl.constexpr,
     ANY_RANDOM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     PREFETCH: tl.constexpr = 1,
 ):
@@ -139,6 +143,7 @@ def _stats_kernel(
     base = logits_ptr + row.to(tl.int64) * stride_row
     T, rep, freq, pres, row_pen, min_tok_active, row_allowed = _row_processing(
         fparams_ptr, stride_f, iparams_ptr, stride_i, positions_ptr, slot)
+    mrow = _mask_row(grow_ptr, row, HAS_GRAMMAR)
     nlp = tl.load(iparams_ptr + slot * stride_i + 4)
     mode = tl.load(iparams_ptr + slot * stride_i + 5)
     greedy = tl.load(iparams_ptr + slot * stride_i + 6) != 0
@@ -150,8 +155,8 @@ def _stats_kernel(
         base, lo, hi, row, slot, V, W, T, greedy, lp_on, mode,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, ANY_LP, ANY_RANDOM,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR, ANY_LP, ANY_RANDOM,
         PREFETCH=PREFETCH)
     bv, bi = _best(acc_bv, acc_bi)
     mr, lr = _lse_pair(acc_mr, acc_lr)

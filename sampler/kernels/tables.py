@@ -1,5 +1,5 @@
 """The per-step device tables that the kernels of steps 2-6 read (penalties, logit bias, stop
-ids, bad-word bans, allowed ids), gathered from the sampler state without copies."""
+ids, bad-word bans, allowed ids, grammar masks), gathered from the sampler state without copies."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class KernelTables:
     bans: torch.Tensor
     nban: int
     allowed: torch.Tensor
+    gbits: torch.Tensor  # [num_masked, gw] int32 grammar masks (a dummy without them)
+    grow: torch.Tensor   # [rows] int32: each row's mask index, -1 for an unconstrained row
+    gw: int
 
 
 def compute_bad_word_bans(idx_mapping: torch.Tensor, state) -> torch.Tensor:
@@ -65,9 +68,16 @@ def kernel_tables(state, plan, idx_mapping: torch.Tensor,
     if not plan.do_bad_words:
         bans = i64
     allowed = state.allowed_mask.view(torch.uint8) if plan.do_allowed else pmask
+    if plan.do_grammar:
+        mask = state.token_bitmask
+        gbits, grow, gw = mask.bits, mask.row_map, mask.bits.shape[1]
+    else:
+        gbits = grow = placeholder(dev, torch.int32)
+        gw = 1
     return KernelTables(
         W=(state.vocab_size + 31) // 32, pbits=pbits, pmask=pmask, counts=counts,
         bias_ids=state.bias_ids, bias_vals=state.bias_values, nbias=state.bias_ids.shape[1],
         stop_ids=state.stop_ids, nstop=state.stop_ids.shape[1],
         bans=bans, nban=bans.shape[1] if plan.do_bad_words else 0, allowed=allowed,
+        gbits=gbits, grow=grow, gw=gw,
     )

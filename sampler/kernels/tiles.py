@@ -54,9 +54,10 @@ def _tile_of(
     loaded, start, row, slot, V, W, lim,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     R: tl.constexpr, VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_STOP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
 ):
     """One ``[R, VEC]`` tile of ``[start, lim)`` from its loaded raw logits: (offsets, mask,
     raw fp32, processed fp32 before T). ``V`` is the vocab size (the row stride of the
@@ -67,8 +68,8 @@ def _tile_of(
     vmask, x = _processed_at(
         raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
         row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED)
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     return offs, vmask, raw, x
 
 
@@ -77,9 +78,9 @@ def _processed_at(
     raw, offs, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-    ban_ptr, NBAN, allowed_ptr, row_allowed,
+    ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
     HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
-    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+    HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
 ):
     """(mask ``offs < lim``, processed values, -inf past ``lim``) of raw fp32 logits at
     ``offs`` that already hold -inf past ``lim``."""
@@ -88,9 +89,9 @@ def _processed_at(
         raw, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED,
+        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
     )
-    if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED:
+    if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED | HAS_GRAMMAR:
         x = tl.where(vmask, x, float("-inf"))
     return vmask, x

@@ -15,6 +15,7 @@ from sampler.ops.min_p import apply_min_p
 from sampler.ops.min_tokens import apply_min_tokens
 from sampler.ops.penalties import apply_penalties
 from sampler.ops.temperature import apply_temperature
+from sampler.ops.token_bitmask import apply_token_bitmask
 from sampler.ops.top_k_top_p import apply_top_k_top_p
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "apply_min_tokens",
     "apply_penalties",
     "apply_temperature",
+    "apply_token_bitmask",
     "apply_top_k_top_p",
     "compute_gumbel_noise",
     "compute_logprob_outputs",

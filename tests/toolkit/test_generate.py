@@ -71,6 +71,17 @@ def test_bad_prompt_is_an_error_row_and_bad_options_raise(tiny_llama):
         generate(["a", "b"], [None], model=tiny_llama, **OPTIONS)
 
 
+def test_structured_outputs(tiny_llama):
+    from toolkit import StructuredOutputsParams
+
+    so = StructuredOutputsParams(choice=["left", "right"])
+    params = [SamplingParams(max_tokens=20, seed=1, structured_outputs=so),
+              {"max_tokens": 20, "seed": 2, "structured_outputs": {"regex": "[ab]{4}"}}]
+    outs = generate(["Go", "Go"], params, model=tiny_llama, **OPTIONS)
+    assert outs[0].output_text in ("left", "right") and outs[0].finish_reason == "stop"
+    assert len(outs[1].output_text) == 4 and set(outs[1].output_text) <= {"a", "b"}
+
+
 def test_tensor_parallel_generate_and_no_rank_left_behind(tiny_llama):
     import os
 

@@ -157,3 +157,16 @@ def test_split_by_samples_is_contiguous_and_balanced():
     assert bounds[0][0] == 0 and bounds[-1][1] == 10
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_structured_outputs_in_rollouts(pool):
+    prompts = random_prompts([6, 4, 7], 500, seed=8)
+    params = [{"temperature": 1.0, "seed": i, "max_tokens": 20,
+               "structured_outputs": {"choice": ["up", "down"]}} for i in range(3)]
+    params[2] = {**params[2], "structured_outputs": {"regex": "[0-9]{3}"}}
+    table = pool.generate(prompts, params, logprob_columns=("temperature",))
+    rows = table.to_pylist()
+    assert [r["finish_reason"] for r in rows] == ["stop"] * 3
+    assert rows[0]["output_text"] in ("up", "down") and rows[1]["output_text"] in ("up", "down")
+    assert len(rows[2]["output_text"]) == 3 and rows[2]["output_text"].isdigit()
+    assert all(len(r["temperature_logprobs"]) == r["num_output_tokens"] for r in rows)

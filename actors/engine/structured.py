@@ -1,0 +1,233 @@
+"""Structured outputs in the engine: constraints compiled off the stepping thread, one
+grammar matcher per sequence, and each step's packed token masks.
+
+``StructuredOutputs.submit`` compiles a request's constraint once per distinct constraint
+(a cache keyed by its canonical text) on a small thread pool; the scheduler admits the
+request only once its future is done, and a constraint that does not compile becomes the
+request's error before any device work. Each sequence (each of n samples) gets its own
+matcher (:class:`SequenceGrammar`), which accepts the sequence's output tokens in order and
+only once (``num_accepted``), so preemption and recompute never lose or double a token.
+``step_mask`` runs while the step's forward is on the device: it reads the previous step's
+sampled ids (the async copy), advances the matchers, fills the masks of the constrained
+rows in one parallel llguidance call into a pinned host buffer and uploads it without
+blocking. Library choice and measurements: docs/structured_outputs.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import numpy as np
+import torch
+
+from actors.engine.sequence import PENDING, Sequence
+from sampler.grammar_mask import StepBitmask
+from sampler.structured_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CompiledConstraint:
+    """A compiled constraint: a fresh matcher to copy per sequence, or why it failed."""
+
+    template: Any = None  # llguidance.LLMatcher in its initial state
+    error: str | None = None
+
+
+class SequenceGrammar:
+    """The matcher of one sequence and how many of its output tokens it accepted."""
+
+    __slots__ = ("matcher", "num_accepted", "error")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        self.error: str | None = None
+
+    def catch_up(self, seq: Sequence, pending: int = PENDING) -> None:
+        """Accepts the output tokens of ``seq`` not accepted yet, up to the first unknown
+        one (``pending``: the value of a trailing placeholder, when the caller knows it)."""
+        tokens = seq.token_ids
+        start = seq.num_prompt + self.num_accepted
+        for pos in range(start, len(tokens)):
+            token = tokens[pos]
+            if token == PENDING:
+                if pos != len(tokens) - 1 or pending == PENDING:
+                    return
+                token = pending
+            if self.error is None and not self.matcher.consume_token(token):
+                self.error = (f"structured_outputs: token {token} is not allowed by the "
+                              f"grammar ({self.matcher.get_error()[:200]})")
+            self.num_accepted += 1
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar reached an end where nothing but EOS may follow."""
+        return self.matcher.is_stopped()
+
+
+class StructuredOutputs:
+    """Compiler cache, per-sequence matchers and step masks of one engine.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the logits' width (the masks cover it; ids past the tokenizer's are
+            never allowed).
+        eos_token_ids: the ids that end a text where the grammar may end.
+        device: where the sampler runs.
+        max_num_seqs: the most rows a step samples.
+        num_threads: compile threads.
+        fill_threads: threads of the parallel mask fill (default: half the host's cores,
+            2 to 8).
+    """
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
+                 device: torch.device, max_num_seqs: int, num_threads: int = 2,
+                 fill_threads: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
+        self.num_threads = max(1, num_threads)
+        self.fill_threads = fill_threads or max(2, min(8, (os.cpu_count() or 2) // 2))
+        self.words = (vocab_size + 31) // 32
+        self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._ll_tokenizer = None
+        self._executor = None
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._turn = 0
+
+    # ------------------------------------------------------------------ compiling
+    def submit(self, so: StructuredOutputsParams) -> Future:
+        """The future of ``so``'s :class:`CompiledConstraint` (one compile per distinct
+        constraint; any thread)."""
+        key = so.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.num_threads,
+                                                    thread_name_prefix="grammar-compile")
+                future = self._cache[key] = self._pool.submit(self._compile, so)
+            return future
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            return self._ll_tokenizer
+
+    def _compile(self, so: StructuredOutputsParams) -> CompiledConstraint:
+        import llguidance
+
+        from actors.engine.structured_grammar import to_lark
+
+        field = f"sampling_params.structured_outputs.{so.kind}"
+        try:
+            grammar = to_lark(so)
+            tokenizer = self._tokenizer()
+            problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+            if problem:
+                return CompiledConstraint(error=f"{field}: {problem.strip()[:500]}")
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            if matcher.is_error():
+                return CompiledConstraint(error=f"{field}: {matcher.get_error()[:500]}")
+            return CompiledConstraint(template=matcher)
+        except Exception as exc:  # noqa: BLE001 - any failure is this constraint's error
+            logger.debug("constraint %s failed to compile", so.key[:200], exc_info=True)
+            return CompiledConstraint(error=f"{field}: {type(exc).__name__}: {exc}"[:600])
+
+    @staticmethod
+    def wait_any(futures: list[Future], timeout: float) -> None:
+        """Blocks until one of ``futures`` is done or ``timeout`` seconds passed."""
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------ sequences
+    def start(self, seq: Sequence) -> None:
+        """Gives ``seq`` its matcher (first admission, or a fork), or brings the one it
+        kept through a preemption up to its known tokens."""
+        if seq.grammar is None:
+            compiled: CompiledConstraint = seq.request.grammar.result()
+            seq.grammar = SequenceGrammar(compiled.template.deep_copy())
+            self.num_active += 1
+        seq.grammar.catch_up(seq)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.grammar is not None:
+            seq.grammar = None
+            self.num_active -= 1
+
+    # ------------------------------------------------------------------ masks
+    def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
+        """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
+        device; None when no row is constrained.
+
+        Args:
+            seqs: the step's sampling sequences.
+            prev_tokens: a callable giving the previous step's sampled ids as a host array
+                (called only when a constrained row still waits for its last token).
+        """
+        rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return None
+        host_prev = None
+        matchers = []
+        for j, r in enumerate(rows):
+            seq = seqs[r]
+            pending = PENDING
+            if seq.num_pending:
+                if host_prev is None:
+                    host_prev = prev_tokens()
+                pending = int(host_prev[seq.pending_row])
+            seq.grammar.catch_up(seq, pending)
+            matchers.append((seq.grammar.matcher, j))
+        buf = self._buffer(len(rows))
+        self._fill(matchers, buf)
+        if self.device.type == "cuda":
+            bits = buf.to(self.device, non_blocking=True)
+            self._events[self._turn].record()
+        else:
+            bits = buf.clone()
+        return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
+                                 self.device)
+
+    def _fill(self, matchers: list, buf: torch.Tensor) -> None:
+        import llguidance
+        import llguidance.torch
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self.fill_threads)
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, buf)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        """A host buffer ``[rows, words]`` for this step's masks: two pinned buffers taken
+        in turn on CUDA, each reused once its previous upload finished."""
+        if not self._buffers:
+            pin = self.device.type == "cuda"
+            for _ in range(2 if pin else 1):
+                self._buffers.append(torch.zeros((self.max_num_seqs, self.words),
+                                                 dtype=torch.int32, pin_memory=pin))
+                self._events.append(torch.cuda.Event() if pin else None)
+        self._turn = (self._turn + 1) % len(self._buffers)
+        if self._events[self._turn] is not None:
+            self._events[self._turn].synchronize()
+        return self._buffers[self._turn][:rows]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

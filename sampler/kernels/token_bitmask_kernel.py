@@ -1,0 +1,71 @@
+"""Grammar masks in Triton: a tile of logits loses the tokens its row's packed bitmask clears.
+
+Tile function :func:`_bitmask_tile` is what a kernel that reads a row's logits calls on each
+tile (under its ``HAS_MASK`` constexpr, so steps without constrained rows compile it out):
+it reads one int32 word per 32 tokens (1/32 of the logits' bytes) and turns every token
+whose bit is 0 into -inf. :func:`apply_token_bitmask_triton` is the standalone op with the
+signature of :func:`sampler.ops.token_bitmask.apply_token_bitmask`, its torch oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bitmask_tile(x, offs, vmask, bits_ptr, mrow, W):
+    """``x`` (a float32 tile of one row, token ids ``offs``, ``vmask`` inside the vocab) with
+    every token the row's mask clears set to -inf; ``mrow`` is the row's mask index in
+    ``bits_ptr`` (``[num_masked, W]`` int32), -1 for an unconstrained row (unchanged)."""
+    if mrow >= 0:
+        words = tl.load(bits_ptr + mrow.to(tl.int64) * W + offs // 32,
+                        mask=vmask & (offs < W * 32), other=0)
+        allowed = ((words >> (offs % 32)) & 1) != 0
+        x = tl.where(allowed, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _mask_row(grow_ptr, row, HAS_GRAMMAR: tl.constexpr):
+    """The mask index of logits ``row`` (``grow_ptr``: ``[rows]`` int32), -1 without masks."""
+    mrow = -1
+    if HAS_GRAMMAR:
+        mrow = tl.load(grow_ptr + row)
+    return mrow
+
+
+@triton.jit
+def _apply_token_bitmask_kernel(logits_ptr, stride_row, V, bits_ptr, W, rows_ptr,
+                                BLOCK: tl.constexpr):
+    j = tl.program_id(0)  # mask index
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    vmask = offs < V
+    row = tl.load(rows_ptr + j)
+    ptr = logits_ptr + row * stride_row + offs
+    x = tl.load(ptr, mask=vmask, other=0.0)
+    x = _bitmask_tile(x, offs, vmask, bits_ptr, j, W)
+    tl.store(ptr, x, mask=vmask)
+
+
+def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor,
+                               mask_rows: torch.Tensor, block: int = 1024) -> None:
+    """Masks every token a constrained row's grammar does not allow (in place); the same
+    contract as :func:`sampler.ops.token_bitmask.apply_token_bitmask`.
+
+    Args:
+        logits: ``[rows, vocab]`` float32, vocab stride 1, modified in place.
+        bitmask: ``[num_masked, ceil(vocab / 32)]`` int32, contiguous.
+        mask_rows: ``[num_masked]`` int64, the logits row of each mask.
+        block: tokens a program reads.
+    """
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+    assert mask_rows.shape == (bitmask.shape[0],)
+    rows, vocab = logits.shape
+    if bitmask.shape[0] == 0 or vocab == 0:
+        return
+    grid = (bitmask.shape[0], triton.cdiv(vocab, block))
+    _apply_token_bitmask_kernel[grid](logits, logits.stride(0), vocab, bitmask,
+                                      bitmask.shape[1], mask_rows, BLOCK=block)

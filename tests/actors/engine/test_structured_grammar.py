@@ -1,0 +1,130 @@
+"""The constraints as compiled (llguidance) hold the strict definitions: RFC 8259 JSON strings,
+code-point lengths, top-level objects for json_object, and regex classes as Python's ``re``
+reads them. Also: the masks cover the padded vocab, EOS only where the grammar may end."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from actors.engine.structured import StructuredOutputs
+from sampler.structured_params import StructuredOutputsParams as SO
+
+VOCAB = 600  # the tiny tokenizer has 512 tokens: 88 padded ids
+
+
+@pytest.fixture(scope="module")
+def structured():
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+    out = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
+                            device=torch.device("cpu"), max_num_seqs=4)
+    yield out
+    out.close()
+
+
+def accepts(structured, so: SO, text: bytes) -> bool:
+    """Whether the compiled constraint accepts ``text`` as a whole output."""
+    compiled = structured.submit(so).result()
+    assert compiled.error is None, compiled.error
+    matcher = compiled.template.deep_copy()
+    tokens = structured._tokenizer().tokenize_bytes(text)
+    return bool(matcher.consume_tokens(tokens) and matcher.is_accepting())
+
+
+SHORT = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
+         "required": ["s"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("text,ok", [
+    (b'{"s":"abc"}', True),
+    (b'{"s":"\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9"}', True),  # 5 code points, 10 bytes
+    (b'{"s":"abcdef"}', False),
+    (b'{"s":"a\x01b"}', False),  # raw control character (with maxLength)
+    (b'{"s":"a\nb"}', False),
+    (b'{"s":"\xed\xa0\x80"}', False),  # a UTF-8-encoded surrogate (decodes to U+FFFD)
+    (b'{"s":"\\ud800"}', False),  # a lone surrogate escape
+])
+def test_json_strings_are_strict(structured, text, ok):
+    assert accepts(structured, SO(json=SHORT, disable_any_whitespace=True), text) is ok
+    assert accepts(structured, SO(json=SHORT), text) is ok  # free whitespace, same strings
+
+
+@pytest.mark.parametrize("text,ok", [
+    (b'{}', True), (b'{"a":[1,{"b":null}],"c":"x"}', True), (b'{"a":-2.5e-12}', True),
+    (b'[1,2]', False), (b'"x"', False), (b'{"a":NaN}', False), (b'{"a":Infinity}', False),
+    (b'{"a":1e400}', False),  # finite doubles only
+    (b'{"a":"\x01"}', False), (b'{"a":"\xed\xa0\x80"}', False), (b'{"a":01}', False),
+])
+def test_json_object_is_a_top_level_object(structured, text, ok):
+    assert accepts(structured, SO(json_object=True, disable_any_whitespace=True), text) is ok
+
+
+def test_whitespace_options(structured):
+    spaced = b'{"s": "abc"}'
+    assert accepts(structured, SO(json=SHORT), spaced)
+    assert not accepts(structured, SO(json=SHORT, disable_any_whitespace=True), spaced)
+    assert not accepts(structured, SO(json=SHORT, whitespace_pattern=r"[\n]?"), spaced)
+    assert accepts(structured, SO(json=SHORT, whitespace_pattern=r" ?"), spaced)
+    assert accepts(structured, SO(json_object=True), b'{ "a" : 1 }')
+    assert not accepts(structured, SO(json_object=True, disable_any_whitespace=True),
+                       b'{ "a" : 1 }')
+
+
+# code points where llguidance's own classes and Python's differ (and some where they agree)
+CHARS = ["a", "Z", "5", "_", " ", "\t", "\n", "\x0b", "\x1c", "\x1d", "\x1f", "\x85", "\xa0",
+         "\u00b2", "\u00bd", "\u0300", "\u0301", "\u0663", "\u00e9", "\u2028", "\u3000", "-",
+         "\u09f4", "\U0001d7ce"]
+
+
+@pytest.mark.parametrize("pattern", [r"\d", r"\D", r"\w", r"\W", r"\s", r"\S", r"[\w-]",
+                                     r"[^\d]", r"[\S\d]", r"(?a)\w", r"."])
+def test_regex_classes_as_python_reads_them(structured, pattern):
+    for c in CHARS:
+        want = re.fullmatch(pattern, c) is not None
+        assert accepts(structured, SO(regex=pattern), c.encode()) is want, (pattern, c)
+
+
+def test_regex_anchors_and_literals(structured):
+    assert accepts(structured, SO(regex=r"^ab+$"), b"abb")
+    assert accepts(structured, SO(regex=r"a\$"), b"a$")
+    assert accepts(structured, SO(regex=r"[]a]+"), b"]a]")
+    assert not accepts(structured, SO(regex=r"[0-9]{2}"), "\u0663\u0663".encode())
+
+
+def test_compile_errors_name_the_field(structured):
+    for so, field in ((SO(json={"type": "objectx"}), "json"),
+                      (SO(grammar="start: nope"), "grammar"),
+                      (SO(regex=r"(?<=a)b"), "regex")):
+        error = structured.submit(so).result().error
+        assert error.startswith(f"sampling_params.structured_outputs.{field}:"), error
+
+
+def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
+    from actors.engine.sequence import Request, Sequence
+
+    tok = structured.tokenizer
+    eos = tok.eos_token_id
+    request = Request("r", [1, 2], None, 0, 0)  # params unused here
+    request.grammar = structured.submit(SO(regex="(ab)+"))
+    seqs = [Sequence.__new__(Sequence) for _ in range(2)]
+    for seq in seqs:
+        seq.request, seq.token_ids, seq.num_pending, seq.grammar = request, [1, 2], 0, None
+        seq.num_prompt = 2
+        structured.start(seq)
+    seqs[1].token_ids += tok.encode("ab", add_special_tokens=False)
+    mask = structured.step_mask(seqs, prev_tokens=None)
+    from sampler.ops.token_bitmask import unpack_token_bitmask
+
+    allowed = unpack_token_bitmask(mask.bits, VOCAB)
+    assert mask.rows.tolist() == [0, 1] and mask.row_map.tolist() == [0, 1]
+    assert not allowed[:, len(tok):].any()  # ids past the tokenizer's vocab
+    assert not allowed[0, eos] and allowed[1, eos]  # "(ab)+" may end only after "ab"
+    for t in torch.nonzero(allowed[0])[:, 0].tolist():
+        assert "ab".startswith(tok.decode([t])) or tok.decode([t]).startswith("ab")
+    for seq in seqs:
+        structured.release(seq)
+    assert structured.num_active == 0

@@ -1,0 +1,28 @@
+"""Smoke test of benchmarks/structured_bench.py on a tiny model (CPU in CI; the H200 run is
+the benchmark itself)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.benchmarks.helpers import load_benchmark
+
+
+def test_tiny_workload_writes_every_figure(tmp_path):
+    bench = load_benchmark("structured_bench")
+    result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
+                         "--reps", "2", "--compile-samples", "4",
+                         "--max-batched-tokens", "128"])
+    saved = json.loads((tmp_path / "structured_bench.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    n = result["num_prompts"]
+    plain = result["unconstrained"]
+    assert plain["output_tokens"] == n * result["output_len"]
+    for key in ("one_schema", "distinct_schemas"):
+        run = result[key]
+        assert run["finish_reasons"]["error"] == 0
+        assert sum(run["finish_reasons"].values()) == n and run["output_tok_s"] > 0
+    assert result["one_schema_ratio"] > 0 and result["compile_s_per_schema"] > 0
+    assert [s["rows"] for s in result["sampler_steps"]] == [4, 8]
+    assert all(s["sampler_masked_ms"] > 0 and s["mask_fill_ms"] > 0
+               for s in result["sampler_steps"])
