@@ -95,17 +95,7 @@ def test_logits_match_hf_in_bf16(gpu_model, hf_models, window):
     outs = engine.generate([(i, p, params) for i, p in enumerate(prompts)])
     assert engine.executor.runner.graphs.num_replays > 0
     ref32, ref16 = hf_models(path, torch.float32), hf_models(path, torch.bfloat16)
-    ours_err = hf_err = 0.0
-    for out in outs:
-        full = prompts[out.id] + out.output_token_ids
-        ids = torch.tensor([full], device="cuda")
-        with torch.no_grad():
-            exact = ref32(ids).logits[0, :-1].float()
-            bf16 = ref16(ids).logits[0, :-1].float()
-        got = torch.stack([seen[(out.id, p)] for p in range(len(full) - 1)])
-        scale = exact.abs().max().item()
-        ours_err = max(ours_err, (got - exact).abs().max().item() / scale)
-        hf_err = max(hf_err, (bf16 - exact).abs().max().item() / scale)
+    ours_err, hf_err = logit_errors(outs, prompts, seen, ref32, ref16)
     print(f"window={window}: engine {ours_err:.2e}, HF bf16 {hf_err:.2e} (of max |logit|)")
     assert ours_err <= 2 * hf_err + 1e-3
 
@@ -184,3 +174,21 @@ def test_fused_layers_on_by_default_and_outputs_as_without_them(gpu_model):
     first = torch.tensor([lp[0] for _, lp in results[True]])
     torch.testing.assert_close(first, torch.tensor([lp[0] for _, lp in results[False]]),
                                atol=0.05, rtol=0)
+
+
+def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
+    """The largest error of the engine's logits (``seen``, by (id, position)) and of HF's own
+    bf16 forward against HF's fp32 forward over each output's prompt + tokens, relative to
+    the largest |logit|."""
+    ours_err = hf_err = 0.0
+    for out in outs:
+        full = prompts[out.id] + out.output_token_ids
+        ids = torch.tensor([full], device="cuda")
+        with torch.no_grad():
+            exact = ref32(ids).logits[0, :-1].float()
+            bf16 = ref16(ids).logits[0, :-1].float()
+        got = torch.stack([seen[(out.id, p)] for p in range(len(full) - 1)])
+        scale = exact.abs().max().item()
+        ours_err = max(ours_err, (got - exact).abs().max().item() / scale)
+        hf_err = max(hf_err, (bf16 - exact).abs().max().item() / scale)
+    return ours_err, hf_err

@@ -22,7 +22,7 @@ from actors.engine.llm_engine import Engine
 from sampler import SamplingParams
 from tests.actors.helpers import random_prompts
 from tests.actors.engine.model.model_sweep import build
-from tests.actors.engine.test_gpu_engine import _capture_logits
+from tests.actors.engine.test_gpu_engine import _capture_logits, logit_errors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,17 +96,7 @@ def test_logits_match_hf_in_bf16(model_type, family, hf_model):
     outs = engine.generate([(i, p, params) for i, p in enumerate(prompts)])
     assert engine.executor.runner.graphs.num_replays > 0
     ref32, ref16 = hf_model(path, torch.float32), hf_model(path, torch.bfloat16)
-    ours_err = hf_err = 0.0
-    for out in outs:
-        full = prompts[out.id] + out.output_token_ids
-        ids = torch.tensor([full], device="cuda")
-        with torch.no_grad():
-            exact = ref32(ids).logits[0, :-1].float()
-            bf16 = ref16(ids).logits[0, :-1].float()
-        got = torch.stack([seen[(out.id, p)] for p in range(len(full) - 1)])
-        scale = exact.abs().max().item()
-        ours_err = max(ours_err, (got - exact).abs().max().item() / scale)
-        hf_err = max(hf_err, (bf16 - exact).abs().max().item() / scale)
+    ours_err, hf_err = logit_errors(outs, prompts, seen, ref32, ref16)
     print(f"{model_type}: engine {ours_err:.2e}, HF bf16 {hf_err:.2e} (of max |logit|)")
     assert ours_err <= 2 * hf_err + 1e-3
 
