@@ -168,12 +168,7 @@ def test_fused_layers_on_by_default_and_outputs_as_without_them(gpu_model):
         outs = engine.generate([(i, p, params) for i, p in enumerate(prompts)])
         results[fused] = [(o.output_token_ids, o.logprobs) for o in outs]
         del engine
-    same = sum(a[0] == b[0] for a, b in zip(results[True], results[False]))
-    print(f"fused vs plain: {same}/16 greedy outputs identical")
-    assert same >= 12
-    first = torch.tensor([lp[0] for _, lp in results[True]])
-    torch.testing.assert_close(first, torch.tensor([lp[0] for _, lp in results[False]]),
-                               atol=0.05, rtol=0)
+    assert_paths_agree(results, "fused vs plain")
 
 
 def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
@@ -192,3 +187,14 @@ def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
         ours_err = max(ours_err, (got - exact).abs().max().item() / scale)
         hf_err = max(hf_err, (bf16 - exact).abs().max().item() / scale)
     return ours_err, hf_err
+
+
+def assert_paths_agree(results: dict, label: str) -> None:
+    """``results[True]`` / ``results[False]``: (token ids, logprobs) of 16 greedy outputs of
+    a fused path and the plain one: at least 12 identical, first-token logprobs within 0.05."""
+    same = sum(a[0] == b[0] for a, b in zip(results[True], results[False]))
+    print(f"{label}: {same}/16 greedy outputs identical")
+    assert same >= 12
+    first = torch.tensor([lp[0] for _, lp in results[True]])
+    torch.testing.assert_close(first, torch.tensor([lp[0] for _, lp in results[False]]),
+                               atol=0.05, rtol=0)

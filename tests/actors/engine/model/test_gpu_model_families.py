@@ -20,9 +20,9 @@ import torch
 
 from actors.engine.llm_engine import Engine
 from sampler import SamplingParams
-from tests.actors.helpers import random_prompts
 from tests.actors.engine.model.model_sweep import build
 from tests.actors.engine.test_gpu_engine import _capture_logits, logit_errors
+from tests.actors.helpers import random_prompts
 
 pytestmark = [
     pytest.mark.gpu,
