@@ -8,9 +8,9 @@ request's error before any device work. Each sequence (each of n samples) gets i
 matcher (:class:`SequenceGrammar`), which accepts the sequence's output tokens in order and
 only once (``num_accepted``), so preemption and recompute never lose or double a token.
 ``step_mask`` runs while the step's forward is on the device: it reads the previous step's
-sampled ids (the async copy), advances the matchers, fills the masks of the constrained
-rows in one parallel llguidance call into a pinned host buffer and uploads it without
-blocking. Library choice and measurements: docs/structured_outputs.md.
+sampled ids (the async copy), advances the matchers (one parallel llguidance call for the
+rows that take one token), fills the masks of the constrained rows in one parallel call into
+a pinned host buffer and uploads it without blocking. Library choice and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -50,21 +50,34 @@ class SequenceGrammar:
         self.num_accepted = 0
         self.error: str | None = None
 
-    def catch_up(self, seq: Sequence, pending: int = PENDING) -> None:
-        """Accepts the output tokens of ``seq`` not accepted yet, up to the first unknown
-        one (``pending``: the value of a trailing placeholder, when the caller knows it)."""
+    def new_tokens(self, seq: Sequence, pending: int = PENDING) -> list[int]:
+        """The output tokens of ``seq`` not accepted yet, up to the first unknown one
+        (``pending``: the value of a trailing placeholder, when the caller knows it)."""
         tokens = seq.token_ids
-        start = seq.num_prompt + self.num_accepted
-        for pos in range(start, len(tokens)):
+        out = []
+        for pos in range(seq.num_prompt + self.num_accepted, len(tokens)):
             token = tokens[pos]
             if token == PENDING:
                 if pos != len(tokens) - 1 or pending == PENDING:
-                    return
+                    break
                 token = pending
+            out.append(token)
+        return out
+
+    def accept(self, tokens: list[int]) -> None:
+        """Advances the matcher over ``tokens`` (a refused token is the sequence's error)."""
+        for token in tokens:
             if self.error is None and not self.matcher.consume_token(token):
-                self.error = (f"structured_outputs: token {token} is not allowed by the "
-                              f"grammar ({self.matcher.get_error()[:200]})")
+                self.refused(token)
             self.num_accepted += 1
+
+    def refused(self, token: int) -> None:
+        self.error = (f"structured_outputs: token {token} is not allowed by the grammar "
+                      f"({self.matcher.get_error()[:200]})")
+
+    def catch_up(self, seq: Sequence, pending: int = PENDING) -> None:
+        """Accepts the output tokens of ``seq`` not accepted yet (see :meth:`new_tokens`)."""
+        self.accept(self.new_tokens(seq, pending))
 
     @property
     def is_stopped(self) -> bool:
@@ -185,16 +198,28 @@ class StructuredOutputs:
         if not rows:
             return None
         host_prev = None
-        matchers = []
+        matchers, singles = [], []
         for j, r in enumerate(rows):
             seq = seqs[r]
+            grammar = seq.grammar
             pending = PENDING
             if seq.num_pending:
                 if host_prev is None:
                     host_prev = prev_tokens()
                 pending = int(host_prev[seq.pending_row])
-            seq.grammar.catch_up(seq, pending)
-            matchers.append((seq.grammar.matcher, j))
+            todo = grammar.new_tokens(seq, pending)
+            if len(todo) == 1 and grammar.error is None:
+                singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
+            else:
+                grammar.accept(todo)
+            matchers.append((grammar.matcher, j))
+        if singles:
+            accepted = self._fill_executor().consume_token_par(
+                [(grammar.matcher, token) for grammar, token in singles])
+            for (grammar, token), ok in zip(singles, accepted):
+                if not ok:
+                    grammar.refused(token)
+                grammar.num_accepted += 1
         buf = self._buffer(len(rows))
         self._fill(matchers, buf)
         if self.device.type == "cuda":
@@ -205,13 +230,18 @@ class StructuredOutputs:
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device)
 
+    def _fill_executor(self) -> Any:
+        """llguidance's thread pool of the parallel accept and mask fill."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(self.fill_threads)
+        return self._executor
+
     def _fill(self, matchers: list, buf: torch.Tensor) -> None:
-        import llguidance
         import llguidance.torch
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(self.fill_threads)
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, buf)
+        llguidance.torch.fill_next_token_bitmask_par(self._fill_executor(), matchers, buf)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """A host buffer ``[rows, words]`` for this step's masks: two pinned buffers taken
