@@ -171,11 +171,11 @@ def test_fused_layers_on_by_default_and_outputs_as_without_them(gpu_model):
     assert_paths_agree(results, "fused vs plain")
 
 
-def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
-    """The largest error of the engine's logits (``seen``, by (id, position)) and of HF's own
-    bf16 forward against HF's fp32 forward over each output's prompt + tokens, relative to
-    the largest |logit|."""
-    ours_err = hf_err = 0.0
+def position_errors(outs, prompts, seen, ref32, ref16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position (every output's prompt + tokens, in order): the largest error of the
+    engine's logits (``seen``, by (id, position)) and of HF's own bf16 forward against HF's
+    fp32 forward, relative to the largest |fp32 logit| of that output."""
+    ours, hf = [], []
     for out in outs:
         full = prompts[out.id] + out.output_token_ids
         ids = torch.tensor([full], device="cuda")
@@ -183,10 +183,16 @@ def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
             exact = ref32(ids).logits[0, :-1].float()
             bf16 = ref16(ids).logits[0, :-1].float()
         got = torch.stack([seen[(out.id, p)] for p in range(len(full) - 1)])
-        scale = exact.abs().max().item()
-        ours_err = max(ours_err, (got - exact).abs().max().item() / scale)
-        hf_err = max(hf_err, (bf16 - exact).abs().max().item() / scale)
-    return ours_err, hf_err
+        scale = exact.abs().max()
+        ours.append(((got - exact).abs().amax(-1) / scale).cpu())
+        hf.append(((bf16 - exact).abs().amax(-1) / scale).cpu())
+    return torch.cat(ours), torch.cat(hf)
+
+
+def logit_errors(outs, prompts, seen, ref32, ref16) -> tuple[float, float]:
+    """The largest of :func:`position_errors` for the engine and for HF's bf16 forward."""
+    ours, hf = position_errors(outs, prompts, seen, ref32, ref16)
+    return ours.max().item(), hf.max().item()
 
 
 def assert_paths_agree(results: dict, label: str) -> None:
