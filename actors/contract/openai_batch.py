@@ -3,9 +3,10 @@
 Each line ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}`` becomes one row: ``custom_id``, ``endpoint`` (the url), the prompt (chat
 ``messages``, a completion ``prompt`` text or token ids), ``sampling_params`` (JSON text: the
-body's OpenAI fields mapped to SamplingParams) and ``request_error``: why the line cannot run
-(not JSON, an unknown endpoint or body field, a bad value), which makes that row an error row
-while the other lines run. The row's id is its line's index in the file (from 0).
+body's OpenAI fields mapped to SamplingParams; ``response_format`` json_schema / json_object
+becomes ``structured_outputs``) and ``request_error``: why the line cannot run (not JSON, an
+unknown endpoint or body field, a bad value), which makes that row an error row while the other
+lines run. The row's id is its line's index in the file (from 0).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _RENAMED = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
             "stop": "stop", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
             "model": None, "user": None, "messages": None, "prompt": None}
+_RESPONSE_TYPES = ("text", "json_object", "json_schema")  # response_format.type
 _UNSUPPORTED = {"stream": False, "echo": False, "best_of": 1, "suffix": None}  # allowed value
 
 
@@ -92,6 +94,39 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
     raise ValueError("body.prompt: must be a string or a list of token ids")
 
 
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` -> a ``structured_outputs`` mapping (None: no constraint)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"body.response_format: must be an object with a type, got "
+                         f"{value!r:.200}")
+    for key in value:
+        if key not in ("type", "json_schema"):
+            raise ValueError(f"body.response_format.{key}: unknown field")
+    kind = value.get("type")
+    if kind not in _RESPONSE_TYPES:
+        raise ValueError(f"body.response_format.type: must be one of "
+                         f"{', '.join(_RESPONSE_TYPES)}, got {kind!r:.200}")
+    if kind != "json_schema":
+        if "json_schema" in value:
+            raise ValueError(f"body.response_format.json_schema: only with type json_schema, "
+                             f"the type is {kind!r}")
+        return {"json_object": True} if kind == "json_object" else None
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("body.response_format.json_schema: must be an object with a schema")
+    for key in spec:
+        if key not in ("name", "description", "schema", "strict"):
+            raise ValueError(f"body.response_format.json_schema.{key}: unknown field")
+    if not isinstance(spec.get("schema"), dict):
+        raise ValueError(f"body.response_format.json_schema.schema: must be a JSON schema "
+                         f"object, got {spec.get('schema')!r:.200}")
+    for key, rule in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], rule):
+            raise ValueError(f"body.response_format.json_schema.{key}: must be a "
+                             f"{'string' if rule is str else 'boolean'}, got {spec[key]!r:.200}")
+    return {"json": spec["schema"]}  # always enforced, whatever strict says
+
+
 def _params(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for key, value in body.items():
@@ -114,6 +149,14 @@ def _params(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
                 if not body.get("logprobs"):
                     raise ValueError("body.top_logprobs: needs logprobs: true")
                 params["logprobs"] = value
+        elif key == "response_format":
+            if value is not None:
+                constraint = _response_format(value)
+                if constraint is not None:
+                    if body.get("structured_outputs") is not None:
+                        raise ValueError("body.response_format: cannot be combined with "
+                                         "body.structured_outputs (give one constraint)")
+                    params["structured_outputs"] = constraint
         elif key in FIELD_NAMES:  # vLLM's extra sampling fields (top_k, min_p, ...)
             params[key] = value
         else:

@@ -1,5 +1,7 @@
 """OpenAI Batch files: lines mapped to rows, ``raygen run-batch`` end to end on the tiny model
-(chat through the chat template, completions, n > 1, logprobs, malformed lines), resumable."""
+(chat through the chat template, completions, n > 1, logprobs, malformed lines), resumable;
+``response_format`` lines as a job: json_schema text valid under the schema, json_object text an
+object, a bad or conflicting one the row's error."""
 
 from __future__ import annotations
 
@@ -150,3 +152,53 @@ def test_an_openai_batch_file_is_a_job_input_format(batch_run, tiny_llama):
     assert rows["chat-1"]["messages"] == [{"role": "user", "content": "hello"}]
     greedy = batch_run["by_id"]["chat-1"]["response"]["body"]["choices"][0]["message"]
     assert rows["chat-1"]["output_text"] == greedy["content"]  # the same row as run-batch's
+
+
+PAIR_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 4},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.ray
+def test_response_format_lines_constrain_their_text(ray_local, tiny_llama, tmp_path):
+    from jobs.runner import run_job
+    from tests.actors.engine.structured_checks import check_schema, strict_json
+    from tests.jobs.helpers import read_output
+
+    chat = [{"role": "user", "content": "give json"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "pair", "schema": PAIR_SCHEMA,
+                                                     "strict": True}}
+    lines = [_line(f"schema-{i}", CHAT, messages=chat, response_format=schema, seed=i,
+                   max_tokens=120) for i in range(4)]
+    lines += [_line(f"object-{i}", COMPLETIONS, prompt="data:", seed=i, max_tokens=160,
+                    response_format={"type": "json_object"}) for i in range(10)]
+    lines += [_line("bad", CHAT, messages=chat, response_format={"type": "xml"}),
+              _line("both", CHAT, messages=chat, response_format={"type": "json_object"},
+                    structured_outputs={"regex": "a+"})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    result = run_job({"model": tiny_llama, "input": str(tmp_path / "in.jsonl"),
+                      "output": str(tmp_path / "out"), "input_format": "openai_batch",
+                      "num_gpus_per_actor": 0, "rows_per_shard": 16,
+                      "engine": {"max_model_len": 192}}, progress=False)
+    assert result.errors == 2
+    rows = {r["custom_id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert rows["bad"]["error"] == ("row id '14' (shard 0): body.response_format.type: must be "
+                                    "one of text, json_object, json_schema, got 'xml'")
+    assert rows["both"]["error"] == ("row id '15' (shard 0): body.response_format: cannot be "
+                                     "combined with body.structured_outputs (give one "
+                                     "constraint)")
+    stopped = {"schema": 0, "object": 0}
+    for custom_id, row in rows.items():
+        kind = custom_id.split("-")[0]
+        if kind not in stopped:
+            continue
+        assert row["error"] is None and row["finish_reason"] in ("stop", "length")
+        assert row["output_text"].startswith("{")
+        if row["finish_reason"] == "stop":  # a whole value: valid
+            stopped[kind] += 1
+            if kind == "schema":
+                check_schema(row["output_text"], PAIR_SCHEMA)
+            else:
+                assert isinstance(strict_json(row["output_text"]), dict)
+    assert stopped["schema"] >= 3 and stopped["object"] >= 2, stopped
