@@ -72,9 +72,13 @@ class _GatherLogits:
 
     def __call__(self, _module, _inputs, out: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if not self.gather or not self.comm.enabled:
+        if not self.gather:
             return out
-        return torch.cat(self.comm.all_gather(out), dim=-1)[..., :self.vocab]
+        if self.comm.enabled:
+            parts = self.comm.all_gather(out)
+        else:  # a forward of this rank alone (the memory profile): the gathered shape
+            parts = [out] * self.comm.world_size
+        return torch.cat(parts, dim=-1)[..., :self.vocab]
 
 
 @torch.no_grad()
