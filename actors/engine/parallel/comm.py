@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HEADER = 8
-OP_STEP, OP_SLEEP, OP_WAKE, OP_WEIGHTS, OP_SHUTDOWN, OP_SIZES = 1, 2, 3, 4, 5, 6
+OP_STEP, OP_SLEEP, OP_WAKE, OP_WEIGHTS, OP_SHUTDOWN, OP_SIZES, OP_LOGITS = 1, 2, 3, 4, 5, 6, 7
 # a worker waits for rank 0's next message for as long as the engine is idle (between RL
 # rounds, say); a dead peer is seen at once (its sockets close), not by this timeout
 _TIMEOUT = datetime.timedelta(days=7)
@@ -87,6 +87,13 @@ class TPComm:
         if self.enabled:
             self.group.allreduce([tensor]).wait()
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on each), in rank order."""
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.group.allgather([parts], [tensor]).wait()
+        return parts
 
     @contextlib.contextmanager
     def local(self) -> Iterator[None]:

@@ -11,7 +11,8 @@
   keeps this rank's slice of the gate half and of the up half, "rowwise" down its slice of
   the input features, and the experts module ("moe_tp_experts") all-reduces its output; the
   router is replicated (expert parallelism is not done);
-- embedding and LM head are replicated (every rank holds them whole);
+- the input embedding and the LM head are split over the vocabulary
+  (``actors.engine.parallel.vocab``: an all-reduced lookup, all-gathered logits);
 - styles that only matter for training (``replicated_with_grad_allreduce``) keep the module
   whole; any other style (fused MoE experts, sequence parallel, ...) is refused.
 
@@ -31,6 +32,7 @@ import torch
 from actors.engine.engine_config import check_tensor_parallel
 from actors.engine.model.loader import LoadedModel, UnsupportedModelError
 from actors.engine.parallel.comm import TPComm
+from actors.engine.parallel.vocab import shard_vocab
 
 _REPLICATED = ("replicated_with_grad_allreduce", "replicate", "replicated")
 
@@ -127,6 +129,8 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
             param.data = take(param.data)
         module.in_features, module.out_features = module.weight.shape[1], module.weight.shape[0]
     _shard_expert_parameters(model, patterns, prefix, rank, tp, slices, loaded.architecture)
+    for name, (full_shape, take) in shard_vocab(loaded, comm).items():
+        slices[name] = ShardSlice(full_shape, take)
     local_heads = heads // tp
     for module in model.modules():  # eager-style code reads the group size
         if hasattr(module, "num_key_value_groups"):

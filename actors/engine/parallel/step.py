@@ -7,6 +7,14 @@ the previous step's sampled ids on rank 0's device), positions ``[T]``, slot map
 query start offsets ``[B+1]``, sequence lengths ``[B]``, block tables ``[B * max_blocks]``,
 page copies ``[C * 2]``. The header is ``[OP_STEP, T, B, max_blocks, max_query_len,
 max_seq_len, C]``.
+
+LM-head calls: the input embedding and the LM head are split over the vocabulary
+(``actors.engine.parallel.vocab``), so every LM-head call is one all-gather of all ranks. Each
+of rank 0's ``compute_logits`` calls (the sample rows of a step, each prompt-logprob chunk, any
+later caller) first broadcasts ``[OP_LOGITS, R, hidden, dtype]`` and its ``[R, hidden]`` rows;
+the other ranks project the same rows onto their vocabulary slice and join the gather. Rank 0
+alone chooses the rows, so the ranks' calls match in number and order by construction (the
+rows are few: the hidden states of sampled and scored positions).
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import torch
 
 from actors.engine.model.attention import AttentionMetadata, StepContext
 from actors.engine.model.model_runner import ModelRunner, StepInputs
-from actors.engine.parallel.comm import OP_STEP, TPComm
+from actors.engine.parallel.comm import OP_LOGITS, OP_STEP, TPComm
 
 _NO_COPIES = np.zeros((0, 2), np.int64)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def send_step(comm: TPComm, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -53,9 +62,23 @@ def recv_step(comm: TPComm, header: list[int], device: torch.device, block_size:
     return ids, positions, metadata, copies.reshape(-1, 2)
 
 
+def send_logit_rows(comm: TPComm, hidden: torch.Tensor) -> None:
+    """Rank 0: announces an LM-head call on ``hidden`` ``[R, hidden]`` (contiguous)."""
+    comm.send_header(OP_LOGITS, hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype))
+    comm.broadcast(hidden)
+
+
+def run_worker_logits(runner: ModelRunner, comm: TPComm, header: list[int]) -> None:
+    """Ranks > 0: the announced rows through this rank's LM-head slice and its all-gather."""
+    _, rows, width, dtype = header[:4]
+    hidden = comm.broadcast(torch.empty(rows, width, dtype=_DTYPES[dtype], device=comm.device))
+    runner.loaded.model.get_output_embeddings()(hidden.to(runner.device))
+
+
 class TPModelRunner(ModelRunner):
-    """Rank 0's runner: every forward of a step is broadcast to the other ranks first
-    (forwards run while ``comm.enabled`` is False, the load-time probes, stay local)."""
+    """Rank 0's runner: every forward of a step and every LM-head call is announced to the
+    other ranks first (those run while ``comm.enabled`` is False, the load-time probes, stay
+    local)."""
 
     comm: TPComm
 
@@ -73,6 +96,12 @@ class TPModelRunner(ModelRunner):
             send_step(self.comm, input_ids, positions, ctx.metadata,
                       getattr(self, "_copies", _NO_COPIES))
         return super().forward(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.comm.enabled:
+            hidden = hidden.contiguous()
+            send_logit_rows(self.comm, hidden)
+        return super().compute_logits(hidden)
 
 
 def run_worker_step(runner: ModelRunner, comm: TPComm, header: list[int]) -> None:

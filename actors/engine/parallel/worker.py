@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from actors.engine.parallel.comm import (
+    OP_LOGITS,
     OP_SHUTDOWN,
     OP_SIZES,
     OP_SLEEP,
@@ -90,7 +91,7 @@ class WorkerRank:
     @torch.no_grad()
     def serve(self) -> None:
         """Runs rank 0's messages until ``OP_SHUTDOWN``."""
-        from actors.engine.parallel.step import run_worker_step
+        from actors.engine.parallel.step import run_worker_logits, run_worker_step
 
         comm = self.comm
         while not self.stopped:
@@ -98,6 +99,8 @@ class WorkerRank:
             op = header[0]
             if op == OP_STEP:
                 run_worker_step(self.runner, comm, header)
+            elif op == OP_LOGITS:
+                run_worker_logits(self.runner, comm, header)
             elif op == OP_SLEEP:
                 self.memory.sleep(header[1])
             elif op == OP_WAKE:

@@ -11,13 +11,16 @@ import pytest
 import torch
 
 from actors.engine.engine_config import EngineConfig
+from actors.engine.model.lm_head import ModelHead
 from actors.engine.model.loader import UnsupportedModelError, load_model
 from actors.engine.parallel.sharding import shard_model
 
 
 def _fake_comm(rank: int, world_size: int) -> SimpleNamespace:
-    # the rowwise hook's all-reduce leaves each rank's partial sum (summed by the test)
-    return SimpleNamespace(rank=rank, world_size=world_size, all_reduce=lambda t: t)
+    # the rowwise hook's all-reduce leaves each rank's partial sum (summed by the test), the
+    # LM head's all-gather each rank's logits (put side by side by the test)
+    return SimpleNamespace(rank=rank, world_size=world_size, enabled=True,
+                           all_reduce=lambda t: t, all_gather=lambda t: [t])
 
 
 def _shards(path: str, tp: int):
@@ -27,6 +30,7 @@ def _shards(path: str, tp: int):
     for rank in range(tp):
         mine = copy.copy(loaded)
         mine.model = copy.deepcopy(full)
+        mine.head = ModelHead(mine.model)
         ranks.append(shard_model(mine, _fake_comm(rank, tp)))
     return full, ranks
 

@@ -1,4 +1,6 @@
-"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama and qwen3 in fp32."""
+"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama and qwen3 (tied
+embeddings) in fp32; vocabularies that two ranks do not divide, and head paths that scale or
+cap the logits after the vocab-parallel LM head (granite, gemma2)."""
 
 from __future__ import annotations
 
@@ -59,8 +61,17 @@ def _compare(a, b) -> None:
             assert (p is None and q is None) or abs(p - q) <= 1e-5, x.id
 
 
+def _vocab_weights(loaded) -> tuple[torch.Tensor, torch.Tensor]:
+    model = loaded.model
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
 def test_two_ranks_match_one(engines):
     _, one, two = engines
+    (embed, head), (full_embed, full_head) = _vocab_weights(two.loaded), _vocab_weights(
+        one.loaded)
+    assert embed.shape[0] == head.shape[0] == full_embed.shape[0] // 2  # rank 0's rows
+    assert (head is embed) == (full_head is full_embed)  # tied (qwen3) stay one tensor
     requests = _requests(one.loaded.vocab_size)
     a = one.generate(requests, token_logprobs=True)
     b = two.generate(requests, token_logprobs=True)
@@ -91,6 +102,29 @@ def test_update_weights_full_tensors(engines):
         two.update_weights({name: full[name][:2]})
     one.update_weights(full)
     two.update_weights(iter(full.items()))  # an iterator of pairs too
+    _compare(before, two.generate(requests, token_logprobs=True))
+
+
+def _update_vocab_weights(path: str, one, two, scale: float) -> None:
+    """The same new embedding and LM head (tied names: the same values) into both engines."""
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    update = {n: full[n] * scale for n in names if n in full}
+    one.update_weights(update)
+    two.update_weights(update)
+
+
+def test_update_embedding_and_lm_head(engines):
+    path, one, two = engines
+    requests = _requests(one.loaded.vocab_size)[:3]
+    before = two.generate(requests, token_logprobs=True)
+    _update_vocab_weights(path, one, two, 1.3)
+    after = two.generate(requests, token_logprobs=True)
+    assert [o.raw_logprobs for o in after] != [o.raw_logprobs for o in before]
+    _compare(one.generate(requests, token_logprobs=True), after)
+    _update_vocab_weights(path, one, two, 1.0)
     _compare(before, two.generate(requests, token_logprobs=True))
 
 
@@ -231,3 +265,52 @@ def test_worker_rank_exits_when_rank_0_is_killed(tiny_llama):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    from toolkit.tiny_model import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tp-tokenizer")
+    train_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
+# vocabularies of 515 rows: rank 0 keeps 258, rank 1 257 and a zero row of padding
+ODD_VOCAB = {
+    "qwen3": None,  # tied embeddings (tiny_model's qwen3)
+    "granite": dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2),  # the head path divides by logits_scaling
+    "gemma2": dict(final_logit_softcapping=3.0, attn_logit_softcapping=2.0,
+                   query_pre_attn_scalar=16),   # tied, a scaled embedding, capped logits
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ODD_VOCAB))
+def test_odd_vocabulary_and_head_path_scalings(arch, tiny_model_factory, tokenizer_dir,
+                                               tmp_path):
+    if ODD_VOCAB[arch] is None:
+        path, extra = tiny_model_factory(arch, vocab_size=515), {}
+    else:
+        from tests.actors.engine.model.model_sweep import build
+
+        path, extra = str(tmp_path), {"tokenizer": tokenizer_dir}
+        build(arch, tmp_path, vocab_size=515, **ODD_VOCAB[arch])
+    config = {**CONFIG, **extra, "prompt_logprobs_chunk": 5}  # several head calls a step
+    one = Engine(path, config)
+    two = Engine(path, {**config, "tensor_parallel_size": 2})
+    try:
+        assert one.loaded.vocab_size == 515
+        embed, head = _vocab_weights(two.loaded)
+        assert embed.shape[0] == head.shape[0] == 258
+        if arch != "qwen3":  # more than the LM head alone
+            assert two.loaded.head.direct is None
+        requests = _requests(512)
+        _compare(one.generate(requests, token_logprobs=True),
+                 two.generate(requests, token_logprobs=True))
+        _update_vocab_weights(path, one, two, 0.8)
+        _compare(one.generate(requests, token_logprobs=True),
+                 two.generate(requests, token_logprobs=True))
+    finally:
+        two.close()
+        one.close()
