@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 import numpy as np
@@ -32,23 +32,47 @@ from sampler.structured_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+ROWS_PER_TEMPLATE = 32  # sequences of one constraint per independent matcher template
+
+
 @dataclass(slots=True)
 class CompiledConstraint:
-    """A compiled constraint: a fresh matcher to copy per sequence, or why it failed."""
+    """A compiled constraint: matcher templates to copy per sequence, or why it failed.
+
+    Copies of one llguidance matcher share its lexer and its caches behind a lock, so many
+    rows of one constraint filled in parallel wait on each other; a constraint with many
+    live sequences gets up to one template per fill thread (each compiled from ``grammar``
+    on first need, ~1 ms), and its sequences are spread over them."""
 
     template: Any = None  # llguidance.LLMatcher in its initial state
     error: str | None = None
+    grammar: str = ""  # the llguidance grammar text it was compiled from
+    templates: list = field(default_factory=list)  # the templates after ``template``
+    num_started: int = 0  # sequences given a copy so far
+
+    def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
+        """A fresh matcher for one more sequence and the index of its template."""
+        import llguidance
+
+        index = (self.num_started // ROWS_PER_TEMPLATE) % max(1, max_templates)
+        self.num_started += 1
+        if index == 0:
+            return self.template.deep_copy(), 0
+        while len(self.templates) < index:
+            self.templates.append(llguidance.LLMatcher(tokenizer, self.grammar, log_level=0))
+        return self.templates[index - 1].deep_copy(), index
 
 
 class SequenceGrammar:
     """The matcher of one sequence and how many of its output tokens it accepted."""
 
-    __slots__ = ("matcher", "num_accepted", "error")
+    __slots__ = ("matcher", "num_accepted", "error", "group")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, group: int = 0) -> None:
         self.matcher = matcher
         self.num_accepted = 0
         self.error: str | None = None
+        self.group = group  # the template it was copied from (fills go in its order)
 
     def new_tokens(self, seq: Sequence, pending: int = PENDING) -> list[int]:
         """The output tokens of ``seq`` not accepted yet, up to the first unknown one
@@ -96,8 +120,9 @@ class StructuredOutputs:
         device: where the sampler runs.
         max_num_seqs: the most rows a step samples.
         num_threads: compile threads.
-        fill_threads: threads of the parallel mask fill (default: half the host's cores,
-            2 to 8).
+        fill_threads: threads of the parallel accept and mask fill (default: the cores this
+            process may run on less two, 2 to 16); a constraint shared by many sequences
+            gets up to this many matcher templates.
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
@@ -109,7 +134,7 @@ class StructuredOutputs:
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.num_threads = max(1, num_threads)
-        self.fill_threads = fill_threads or max(2, min(8, (os.cpu_count() or 2) // 2))
+        self.fill_threads = fill_threads or max(2, min(16, len(os.sched_getaffinity(0)) - 2))
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
         self._pool: ThreadPoolExecutor | None = None
@@ -159,7 +184,7 @@ class StructuredOutputs:
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if matcher.is_error():
                 return CompiledConstraint(error=f"{field}: {matcher.get_error()[:500]}")
-            return CompiledConstraint(template=matcher)
+            return CompiledConstraint(template=matcher, grammar=grammar)
         except Exception as exc:  # noqa: BLE001 - any failure is this constraint's error
             logger.debug("constraint %s failed to compile", so.key[:200], exc_info=True)
             return CompiledConstraint(error=f"{field}: {type(exc).__name__}: {exc}"[:600])
@@ -175,7 +200,8 @@ class StructuredOutputs:
         kept through a preemption up to its known tokens."""
         if seq.grammar is None:
             compiled: CompiledConstraint = seq.request.grammar.result()
-            seq.grammar = SequenceGrammar(compiled.template.deep_copy())
+            matcher, group = compiled.next_copy(self._tokenizer(), self.fill_threads)
+            seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
         seq.grammar.catch_up(seq)
 
@@ -213,6 +239,11 @@ class StructuredOutputs:
             else:
                 grammar.accept(todo)
             matchers.append((grammar.matcher, j))
+        # rows of one template next to each other: each thread takes a contiguous run
+        if len(rows) > ROWS_PER_TEMPLATE:
+            groups = [seqs[r].grammar.group for r in rows]
+            matchers = [matchers[j] for j in sorted(range(len(rows)), key=groups.__getitem__)]
+            singles.sort(key=lambda item: item[0].group)
         if singles:
             accepted = self._fill_executor().consume_token_par(
                 [(grammar.matcher, token) for grammar, token in singles])

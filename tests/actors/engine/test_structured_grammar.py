@@ -128,3 +128,34 @@ def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
     for seq in seqs:
         structured.release(seq)
     assert structured.num_active == 0
+
+
+def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_masks():
+    from actors.engine.sequence import Request, Sequence
+    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from sampler.ops.token_bitmask import unpack_token_bitmask
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+    n = 2 * ROWS_PER_TEMPLATE + 6
+    structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
+                                   device=torch.device("cpu"), max_num_seqs=n, fill_threads=3)
+    request = Request("r", [1], None, 0, 0)
+    request.grammar = structured.submit(SO(json=SHORT))
+    texts = ['{"s":"a', '{"s":', '{', '{"s":"abcde"']
+    seqs = []
+    for i in range(n):
+        seq = Sequence.__new__(Sequence)
+        seq.request, seq.token_ids, seq.num_pending, seq.grammar = request, [1], 0, None
+        seq.num_prompt = 1
+        structured.start(seq)
+        seq.token_ids += tok.encode(texts[i % len(texts)], add_special_tokens=False)
+        seqs.append(seq)
+    groups = [seq.grammar.group for seq in seqs]
+    assert groups == [i // ROWS_PER_TEMPLATE for i in range(n)]  # three templates
+    allowed = unpack_token_bitmask(structured.step_mask(seqs, prev_tokens=None).bits, VOCAB)
+    assert all(seq.grammar.num_accepted == len(seq.token_ids) - 1 for seq in seqs)
+    for i in range(len(texts), n):  # same text, any template: the same mask
+        assert torch.equal(allowed[i], allowed[i % len(texts)]), i
+    assert len({tuple(allowed[i].tolist()) for i in range(len(texts))}) == len(texts)
+    structured.close()
