@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -21,6 +22,8 @@ from actors.engine.parallel.worker import serve_rank
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 300.0  # the rank actors' processes start (their bundles are reserved)
+# asking Ray costs ~0.1 ms; Ray itself takes longer than this to see a death
+_CHECK_EVERY_S = 0.01
 
 
 def current_group(world_size: int) -> Any | None:
@@ -72,6 +75,7 @@ class ActorRanks:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=rank)).remote() for rank in range(1, tp)]
         self._serving: list[Any] = []
+        self._checked = 0.0
         try:
             facts = ray.get([a.describe.remote() for a in self.actors], timeout=_START_TIMEOUT_S)
         except BaseException:
@@ -102,9 +106,13 @@ class ActorRanks:
 
     def check_alive(self) -> None:
         """Raises ``RuntimeError`` when a rank actor has died or its loop ended (the replica is
-        broken)."""
+        broken). Asks Ray at most every ``_CHECK_EVERY_S``."""
         import ray
 
+        now = time.monotonic()
+        if now - self._checked < _CHECK_EVERY_S:
+            return
+        self._checked = now
         for i in self._ended():
             try:
                 ray.get(self._serving[i])
