@@ -1,6 +1,7 @@
 """An engine inside a Ray actor that runs in a placement group of a bundle per rank starts its
 other ranks as Ray actors in those bundles (CPU, gloo): the token ids of one rank, a dead rank
-actor reported at the next step, and no rank actor left once the engine is closed."""
+actor reported at the next step, and no rank actor left once the engine is closed or its
+actor's process is killed."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Rank0:
 
     def launcher(self) -> tuple[str, list[int]]:
         return type(self.engine.replica.ranks).__name__, self.engine.replica.pids
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def token_ids(self, requests) -> list[list[int]]:
         return [o.output_token_ids for o in self.engine.generate(requests)]
@@ -95,3 +99,13 @@ def test_dead_rank_actor_fails_the_next_step(group, tiny_llama):
     assert message.startswith(f"tensor-parallel rank 1 (pid {pid}) ended"), message
     ray.get(actor.close.remote())
     ray.kill(actor)
+
+
+def test_rank_actors_end_with_rank_0s_process(group, tiny_llama):
+    actor = _rank0(group, tiny_llama)
+    _, (pid,) = ray.get(actor.launcher.remote())
+    os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)  # the rank actor belonged to the dead process
