@@ -43,18 +43,53 @@ def connect(address: str | None) -> None:
 
 
 def replica_gpus(engine_options: Any, num_gpus_per_actor: float) -> float:
-    """GPUs one actor reserves: ``num_gpus_per_actor`` per tensor-parallel rank. A replica of
-    ``tensor_parallel_size`` ranks is one Ray actor (rank 0, the engine) that starts the other
-    ranks as its child processes, on the GPUs Ray gave it (``docs/tensor_parallel.md``)."""
-    tp = int(dict(engine_options or {}).get("tensor_parallel_size", 1))
-    return num_gpus_per_actor * tp
+    """GPUs one replica reserves: ``num_gpus_per_actor`` per tensor-parallel rank."""
+    return num_gpus_per_actor * _tensor_parallel_size(engine_options)
+
+
+def replica_bundles(engine_options: Any, num_gpus_per_actor: float,
+                    num_cpus: float = 1) -> list[dict[str, float]] | None:
+    """The placement-group bundles of a job's replica: one per tensor-parallel rank, each
+    ``num_cpus`` CPUs and ``num_gpus_per_actor`` GPUs (rank 0, the generation actor, in bundle
+    0; it starts the other ranks in theirs, ``actors.engine.parallel.rank_actors``). None for
+    one rank: the actor alone, no group."""
+    tp = _tensor_parallel_size(engine_options)
+    if tp == 1:
+        return None
+    bundle = {"CPU": float(num_cpus)}
+    if num_gpus_per_actor > 0:
+        bundle["GPU"] = float(num_gpus_per_actor)
+    return [dict(bundle) for _ in range(tp)]
+
+
+def replica_group(bundles: list[dict[str, float]]) -> Any:
+    """A placement group for one replica: its bundles packed on one node (STRICT_PACK)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group(bundles, strategy="STRICT_PACK")
+
+
+def remove_replica_group(group: Any) -> None:
+    """Removes a replica's placement group, which ends every actor in it."""
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
+def _tensor_parallel_size(engine_options: Any) -> int:
+    if hasattr(engine_options, "tensor_parallel_size"):  # an EngineConfig
+        return int(engine_options.tensor_parallel_size)
+    return int(dict(engine_options or {}).get("tensor_parallel_size", 1))
+
+
 class _TokenAuthNote(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Token authentication is enabled for this")
 
 
-def check_resources(num_actors: int, num_gpus: float) -> None:
-    """Fails early when the cluster cannot hold the actor pool at all."""
+def check_resources(num_actors: int, num_gpus: float, num_cpus: float = 1) -> None:
+    """Fails early when the cluster cannot hold the pool at all: ``num_actors`` replicas of
+    ``num_gpus`` GPUs and ``num_cpus`` CPUs each, every replica on one node."""
     import ray
 
     resources = ray.cluster_resources()
@@ -62,34 +97,45 @@ def check_resources(num_actors: int, num_gpus: float) -> None:
         have = resources.get("GPU", 0)
         if num_actors * num_gpus > have:
             raise ValueError(
-                f"config.num_actors: {num_actors} actors x num_gpus_per_actor={num_gpus} need "
-                f"{num_actors * num_gpus:g} GPUs, the Ray cluster has {have:g} (set "
-                "num_gpus_per_actor: 0 to run on CPU)")
+                f"config.num_actors: {num_actors} actors x {num_gpus:g} GPUs (num_gpus_per_actor "
+                f"per tensor-parallel rank) need {num_actors * num_gpus:g} GPUs, the Ray cluster "
+                f"has {have:g} (set num_gpus_per_actor: 0 to run on CPU)")
     have = resources.get("CPU", 0)
-    if num_actors > have:
-        raise ValueError(f"config.num_actors: {num_actors} actors need {num_actors} CPUs, the "
-                         f"Ray cluster has {have:g}")
+    if num_actors * num_cpus > have:
+        raise ValueError(f"config.num_actors: {num_actors} actors x {num_cpus:g} CPUs need "
+                         f"{num_actors * num_cpus:g} CPUs, the Ray cluster has {have:g}")
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if nodes and not any(n.get("GPU", 0) >= num_gpus and n.get("CPU", 0) >= num_cpus
+                         for n in nodes):
+        raise ValueError(f"config.num_gpus_per_actor: a replica needs {num_gpus:g} GPUs and "
+                         f"{num_cpus:g} CPUs on one node (its tensor-parallel ranks share a "
+                         "node); no node of the Ray cluster has as many")
 
 
 def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: float,
                   shards_at_once: int = IN_FLIGHT_PER_ACTOR):
     """A function that starts one generation actor and returns its handle:
-    ``start(first_shard=None)`` constructs ``actor_cls(model, engine_config,
-    first_shard=first_shard)`` (``GenerationActor`` reads that shard while its model loads).
-    ``shards_at_once``: the most ``process_shard`` calls the dispatcher has on one actor (each
-    runs on a thread of its own; one more thread answers the startup report)."""
+    ``start(first_shard=None, placement_group=None)`` constructs ``actor_cls(model,
+    engine_config, first_shard=first_shard)`` (``GenerationActor`` reads that shard while its
+    model loads), in bundle 0 of ``placement_group`` when given (a tensor-parallel replica).
+    ``num_gpus``: the actor's GPUs (a replica's rank 0: GPUs per rank). ``shards_at_once``: the
+    most ``process_shard`` calls the dispatcher has on one actor (each runs on a thread of its
+    own; one more thread answers the startup report)."""
     import ray
 
-    remote_cls = ray.remote(actor_cls).options(
-        num_cpus=1,
-        num_gpus=num_gpus,
-        max_concurrency=shards_at_once + 1,
-        max_restarts=0,
-        max_task_retries=0,
-    )
+    remote_cls = ray.remote(actor_cls)
+    options = dict(num_cpus=1, num_gpus=num_gpus, max_concurrency=shards_at_once + 1,
+                   max_restarts=0, max_task_retries=0)
 
-    def start(first_shard: Any = None) -> Any:
-        return remote_cls.remote(model, engine_config, first_shard=first_shard)
+    def start(first_shard: Any = None, placement_group: Any = None) -> Any:
+        strategy = None
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            strategy = PlacementGroupSchedulingStrategy(placement_group,
+                                                        placement_group_bundle_index=0)
+        return remote_cls.options(**options, scheduling_strategy=strategy).remote(
+            model, engine_config, first_shard=first_shard)
 
     return start
 

@@ -1,5 +1,10 @@
 """The dispatch loop: a fixed pool of actors pulls shards, dead actors are replaced.
 
+A pool slot is one replica: one actor, or with tensor parallelism (``bundles``) a placement
+group of a bundle per rank, rank 0's actor in bundle 0 (it starts the other ranks in theirs).
+Either way the slot is started, lost and killed as one unit: killing it removes its group,
+which ends every rank.
+
 Each actor holds ``IN_FLIGHT_PER_ACTOR`` shards, so the next one's rows are read and its
 requests built while the current one runs. When shards share the engine (``deterministic:
 false``), an actor whose shards would not fill its engine takes more: while its shards hold
@@ -24,7 +29,13 @@ from typing import Any, Callable
 
 from actors.contract.shard_io import write_failed_shard
 from actors.contract.task import EngineFailure, PartWriteError, ShardResult, ShardTask
-from jobs.cluster import IN_FLIGHT_PER_ACTOR, MAX_SHARDS_IN_FLIGHT, wait_until_dead
+from jobs.cluster import (
+    IN_FLIGHT_PER_ACTOR,
+    MAX_SHARDS_IN_FLIGHT,
+    remove_replica_group,
+    replica_group,
+    wait_until_dead,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +54,7 @@ def shards_at_once(fill_rows: int) -> int:
 class _Slot:
     name: str
     handle: Any = None
+    group: Any = None  # the replica's placement group (tensor parallelism)
     ready: Any = None  # the readiness ref while the actor starts
     inflight: dict[Any, ShardTask] = field(default_factory=dict)
     exclusive: bool = False  # running a retried shard alone
@@ -64,12 +76,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 class Dispatcher:
-    """Runs shards on an actor pool until each is committed (or written as error rows)."""
+    """Runs shards on an actor pool until each is committed (or written as error rows).
+
+    ``start_actor(first_shard=..., placement_group=...)`` starts a slot's actor (the group
+    only with ``bundles``: a tensor-parallel replica's placement group, one per slot start).
+    """
 
     def __init__(self, start_actor: Callable[..., Any], num_actors: int, make_task: MakeTask,
                  commit: Commit, max_attempts: int, fill_rows: int = 0,
-                 on_ready: Callable[[str], None] | None = None) -> None:
+                 on_ready: Callable[[str], None] | None = None,
+                 bundles: list[dict[str, float]] | None = None) -> None:
         self._start_actor = start_actor
+        self._bundles = bundles
         self._on_ready_hook = on_ready  # called with a slot's name when its actor is up
         self._fill_rows = fill_rows
         self._most = shards_at_once(fill_rows)
@@ -122,7 +140,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ actors
     def _launch(self, slot: _Slot, first_shard: ShardTask | None = None) -> None:
-        slot.handle = self._start_actor(first_shard=first_shard)
+        if self._bundles:
+            slot.group = replica_group(self._bundles)
+            slot.handle = self._start_actor(first_shard=first_shard, placement_group=slot.group)
+        else:
+            slot.handle = self._start_actor(first_shard=first_shard)
         # the actor's startup report (when it has one) doubles as the readiness call
         ready = getattr(slot.handle, "startup_report", None) or slot.handle.__ray_ready__
         slot.ready = ready.remote()
@@ -163,6 +185,9 @@ class Dispatcher:
         if slot.handle is not None:
             ray.kill(slot.handle, no_restart=True)
             slot.handle = None
+        if slot.group is not None:  # ends the replica's other ranks
+            remove_replica_group(slot.group)
+            slot.group = None
 
     def _lose_actor(self, slot: _Slot, tasks: list[ShardTask], exc: BaseException) -> None:
         tasks = tasks + list(slot.inflight.values())

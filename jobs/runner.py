@@ -156,15 +156,17 @@ def run_job(config: ConfigLike, *, progress: bool = True, actor_cls: Any = None)
 
 
 def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, todo):
-    from jobs.cluster import actor_factory, check_resources, connect, replica_gpus
+    from jobs.cluster import actor_factory, check_resources, connect, replica_bundles
     from jobs.dispatch import Dispatcher, shards_at_once
 
     if actor_cls is None:
         from actors.actor import GenerationActor as actor_cls
 
     connect(config.ray_address)
-    gpus = replica_gpus(engine, config.num_gpus_per_actor)  # per replica (actor)
-    check_resources(config.num_actors, gpus)
+    # a replica: one actor, or with tensor parallelism a placement group of a bundle per rank
+    bundles = replica_bundles(engine, config.num_gpus_per_actor)
+    ranks = len(bundles) if bundles else 1
+    check_resources(config.num_actors, config.num_gpus_per_actor * ranks, ranks)
 
     def commit(result: ShardResult, actor: str) -> None:
         entry = {"part": result.part, "rows": result.rows, "output_rows": result.output_rows,
@@ -185,7 +187,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
 
     fill = fill_rows(config)  # 0: shards run one at a time, two per actor at once
     dispatcher = Dispatcher(
-        actor_factory(actor_cls, config.model, engine, gpus,
+        actor_factory(actor_cls, config.model, engine, config.num_gpus_per_actor,
                       shards_at_once=shards_at_once(fill)),
         min(config.num_actors, len(todo)),
         lambda shard_id, attempt: make_task(shards[shard_id], attempt, spec, config, output),
@@ -193,6 +195,7 @@ def _dispatch(config, spec, shards, manifest, output, bar, engine, actor_cls, to
         config.max_shard_attempts,
         fill_rows=fill,
         on_ready=bar.actor_ready,
+        bundles=bundles,
     )
     bar.add_actors(dispatcher.actors)
     dispatcher.run(todo)

@@ -1,10 +1,12 @@
-"""Jobs whose replicas run the model over two tensor-parallel ranks (CPU, gloo): the same
-token ids as one rank, and a rank killed mid-job replaces its whole replica with the shards
-retried and the output identical to a clean run."""
+"""Jobs whose replicas run the model over two tensor-parallel ranks (CPU, gloo): a placement
+group per replica, rank 0 the generation actor, rank 1 a Ray actor. The same token ids as one
+rank; a rank actor killed mid-job replaces its whole replica with the shards retried and the
+output identical to a clean run; no rank, actor or placement group is left after a job."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import sys
@@ -14,6 +16,7 @@ import pytest
 import ray.cloudpickle
 
 from actors.actor import GenerationActor
+from actors.engine.parallel.rank_actors import ActorRanks
 from jobs.runner import run_job
 from tests.jobs.acceptance_data import acceptance_rows
 from tests.jobs.helpers import assert_identical, read_output, write_jsonl
@@ -26,16 +29,20 @@ ENGINE = {"max_num_seqs": 16, "max_model_len": 128, "num_kv_blocks": 128}
 
 
 def recording_actor(run_dir: str, kill_at_step: int | None) -> type:
-    """A GenerationActor that writes its worker ranks' pids to ``<run_dir>/ranks-<pid>`` and,
-    if it claims ``<run_dir>/kill-token`` first, SIGKILLs its rank 1 at its
+    """A GenerationActor that writes its ranks' pids (its own, then those its rank actors
+    report) and its placement group to ``<run_dir>/ranks-<pid>`` and, if it claims
+    ``<run_dir>/kill-token`` first, SIGKILLs its rank 1 actor's process at its
     ``kill_at_step``-th engine step (one kill per job)."""
 
     class RecordingActor(GenerationActor):
         def __init__(self, model, engine_config=None, *, first_shard=None):
             super().__init__(model, engine_config, first_shard=first_shard)
-            pids = self.engine.replica.pids
+            ranks = self.engine.replica.ranks
+            pids = self.engine.replica.pids  # from the rank actors (RankActor.describe)
+            group = ray.util.get_current_placement_group()
             with open(os.path.join(run_dir, f"ranks-{os.getpid()}"), "w") as f:
-                f.write(" ".join(map(str, pids)))
+                json.dump({"pids": [os.getpid(), *pids], "actors": isinstance(ranks, ActorRanks),
+                           "group": group.id.hex() if group else None}, f)
             if kill_at_step is None:
                 return
             step, counter = self.engine.step, itertools.count(1)
@@ -70,8 +77,43 @@ def tp_job(ray_local, tiny_llama, tmp_path_factory):
     return root, config
 
 
+def _replicas(run_dir) -> list[dict]:
+    return [json.loads(f.read_text()) for f in run_dir.glob("ranks-*")]
+
+
 def _pids(run_dir) -> list[int]:
-    return [int(p) for f in run_dir.glob("ranks-*") for p in f.read_text().split()]
+    return [p for replica in _replicas(run_dir) for p in replica["pids"]]
+
+
+def _alive_actor_classes() -> list[str]:
+    """Class names of the live actors: from ``ray.util.state`` where its API server runs,
+    else (no dashboard, as in these tests) from the GCS actor table it reads."""
+    from ray.util.state.exception import ServerUnavailable
+
+    try:
+        from ray.util.state import list_actors
+
+        return [a.class_name for a in list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("state", "=", "ALIVE")])]
+    except (ServerUnavailable, ConnectionError):
+        return [a["ActorClassName"] for a in ray._private.state.actors().values()
+                if a["State"] == "ALIVE"]
+
+
+def _assert_nothing_left(run_dir) -> None:
+    """Every rank's process ended, every replica's placement group removed, no rank actor
+    or generation actor alive."""
+    replicas = _replicas(run_dir)
+    assert replicas and all(r["actors"] and r["group"] for r in replicas), replicas
+    assert _gone(_pids(run_dir))
+    table = ray.util.placement_group_table()
+    assert {table[r["group"]]["state"] for r in replicas} == {"REMOVED"}
+    deadline = time.monotonic() + 10
+    while {"RankActor", "RecordingActor"} & set(_alive_actor_classes()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not {"RankActor", "RecordingActor"} & set(_alive_actor_classes())
 
 
 def _gone(pids: list[int], wait_s: float = 10.0) -> bool:
@@ -102,7 +144,8 @@ def test_two_ranks_write_the_token_ids_of_one_and_a_killed_rank_is_retried(tp_jo
     assert result.errors == 0 and two.num_rows == one.num_rows
     for name in ("id", "sample_index", "output_token_ids", "finish_reason"):
         assert two.column(name).to_pylist() == one.column(name).to_pylist(), name
-    assert _pids(clean_dir) and _gone(_pids(clean_dir))  # no rank left behind
+    assert len(_pids(clean_dir)) == 2
+    _assert_nothing_left(clean_dir)
 
     kill_dir = tmp_path / "kill"
     kill_dir.mkdir()
@@ -110,10 +153,13 @@ def test_two_ranks_write_the_token_ids_of_one_and_a_killed_rank_is_retried(tp_jo
     result = run_job(config(tmp_path / "out", tensor_parallel_size=2), progress=False,
                      actor_cls=recording_actor(str(kill_dir), 3))
     assert list(kill_dir.glob("kill-token.claimed-by-*")), "no rank was killed"
-    assert len(list(kill_dir.glob("ranks-*"))) == 2  # the replica was replaced whole
+    replicas = _replicas(kill_dir)
+    # the replica was replaced whole: a new rank 0, rank actor and placement group
+    assert len(replicas) == 2 and len(set(_pids(kill_dir))) == 4
+    assert len({r["group"] for r in replicas}) == 2
     assert result.shards_retried >= 1 and result.shards_failed == 0 and result.errors == 0
     assert_identical(read_output(tmp_path / "out"), two)
-    assert _gone(_pids(kill_dir))
+    _assert_nothing_left(kill_dir)
 
 
 def test_heads_checked_before_any_actor_starts(tiny_llama, tmp_path):

@@ -98,6 +98,6 @@ def test_tensor_parallel_generate_and_no_rank_left_behind(tiny_llama):
     (pid,) = engine.replica.pids
     os.kill(pid, 0)  # alive while the engine is kept
     clear_engine_cache()
-    assert engine.replica.procs[0].poll() is not None
+    assert engine.replica.ranks.procs[0].poll() is not None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

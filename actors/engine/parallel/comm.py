@@ -1,8 +1,10 @@
 """The collectives of a tensor-parallel replica, over ``torch.distributed``.
 
-A private process group per replica over a TCP store on 127.0.0.1 (not the default group, so
-one process can hold several tensor-parallel engines): NCCL when every rank has a GPU of its
-own, gloo otherwise (CPU, or several ranks sharing one GPU: NCCL refuses two ranks on a device).
+A private process group per replica over a TCP store that rank 0 hosts (not the default group,
+so one process can hold several tensor-parallel engines): NCCL when every rank has a GPU of
+its own, gloo otherwise (CPU, or several ranks sharing one GPU: NCCL refuses two ranks on a
+device). Who starts the other ranks, and so the address, backend and GPU sharing every rank is
+given, is the launcher's business (``processes``, ``rank_actors``).
 Rank 0 drives: every message starts with a fixed ``[HEADER]`` int64 tensor (an op code and its
 integers), broadcast from rank 0, followed by that op's tensors.
 """
@@ -27,10 +29,10 @@ OP_STEP, OP_SLEEP, OP_WAKE, OP_WEIGHTS, OP_SHUTDOWN, OP_SIZES, OP_LOGITS = 1, 2,
 _TIMEOUT = datetime.timedelta(days=7)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the rendezvous of the replica's ranks)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the rendezvous of the replica's ranks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -43,9 +45,9 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{base + rank}" if base + rank < count else f"cuda:{base}"
 
 
-def choose_backend(device: str, world_size: int) -> str:
-    """NCCL when the ranks have a GPU each, gloo otherwise."""
-    if device.startswith("cuda") and torch.cuda.device_count() >= world_size \
+def choose_backend(device: str, ranks_per_device: int) -> str:
+    """NCCL when the ranks have a GPU each (``ranks_per_device`` 1), gloo otherwise."""
+    if device.startswith("cuda") and ranks_per_device == 1 \
             and hasattr(torch.distributed, "ProcessGroupNCCL"):
         return "nccl"
     return "gloo"
@@ -56,12 +58,16 @@ class TPComm:
 
     Args:
         rank, world_size: this rank and the replica size.
-        port: the TCP rendezvous port on 127.0.0.1.
+        host, port: the TCP rendezvous, hosted by rank 0.
         device: this rank's device ("cpu" or "cuda:<i>"); tensors of the collectives live
             there (gloo moves CUDA tensors through the host).
+        backend: "nccl" or "gloo" (``choose_backend``).
+        ranks_per_device: how many of the replica's ranks share this rank's GPU (1 on CPU);
+            each sizes its KV pool from its share of the device.
     """
 
-    def __init__(self, rank: int, world_size: int, port: int, device: str, backend: str):
+    def __init__(self, rank: int, world_size: int, host: str, port: int, device: str,
+                 backend: str, ranks_per_device: int = 1):
         import torch.distributed as dist
 
         self.rank = rank
@@ -69,12 +75,10 @@ class TPComm:
         self.device = torch.device(device)
         self.backend = backend
         self.enabled = True  # False while a rank runs a local-only forward (probes)
-        # ranks on one GPU (gloo): each sizes its KV pool from its share of the device
-        self.ranks_per_device = world_size if self.device.type == "cuda" \
-            and torch.cuda.device_count() < world_size else 1
+        self.ranks_per_device = ranks_per_device if self.device.type == "cuda" else 1
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self._store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0,
+        self._store = dist.TCPStore(host, port, world_size, rank == 0,
                                     timeout=_TIMEOUT, wait_for_workers=True)
         group_cls = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
         self.group = group_cls(self._store, rank, world_size, _TIMEOUT)

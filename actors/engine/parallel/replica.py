@@ -1,24 +1,20 @@
-"""Rank 0's side of a replica: starts ranks 1..tp-1 as child processes, joins their process
-group, and ends them when the engine is closed or dropped (``weakref.finalize``), so no
-process is left behind. The children leave on their own when this process dies."""
+"""Rank 0's side of a replica: starts ranks 1..tp-1, joins their process group, and ends them
+when the engine is closed or dropped (``weakref.finalize``), so no rank is left behind.
+
+Who starts the other ranks is chosen here, once: inside a Ray actor that runs in a placement
+group with a bundle per rank, Ray actors in those bundles (``rank_actors``); anywhere else,
+child processes (``processes``). Both run the same loop (``worker.serve_rank``).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 import weakref
 from typing import Any
 
-from actors.engine.parallel.comm import (
-    OP_SHUTDOWN,
-    TPComm,
-    choose_backend,
-    free_port,
-    rank_device,
-)
+from actors.engine.parallel.comm import OP_SHUTDOWN, TPComm
+from actors.engine.parallel.processes import ProcessRanks
+from actors.engine.parallel.rank_actors import ActorRanks, current_group
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +35,17 @@ def precheck(model: str, config: Any) -> None:
                           getattr(text, "num_key_value_heads", None) or heads)
 
 
+def start_ranks(model: str, config: Any) -> Any:
+    """Ranks 1..tp-1 started the way this process allows: ``ActorRanks`` or
+    ``ProcessRanks``."""
+    group = current_group(config.tensor_parallel_size)
+    if group is not None:
+        return ActorRanks(model, config, group)
+    return ProcessRanks(model, config)
+
+
 class Replica:
-    """The worker ranks of one engine and rank 0's communicator.
+    """The other ranks of one engine (``ranks``) and rank 0's communicator (``comm``).
 
     Args:
         model: the model path or id (every rank loads it and keeps its shard).
@@ -48,56 +53,37 @@ class Replica:
     """
 
     def __init__(self, model: str, config: Any):
-        tp = config.tensor_parallel_size
         precheck(model, config)
-        port = free_port()
-        backend = choose_backend(config.device, tp)
-        common = dict(world_size=tp, port=port, model=model, config=config.to_dict(),
-                      backend=backend, parent=os.getpid())
-        # the children import from where this process does (a Ray worker's path included)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.procs: list[subprocess.Popen] = []
-        for rank in range(1, tp):
-            args = json.dumps({**common, "rank": rank})
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "actors.engine.parallel.worker", args], env=env))
+        self.ranks = start_ranks(model, config)
+        ranks = self.ranks
         try:
-            self.comm = TPComm(0, tp, port, rank_device(config.device, 0), backend)
+            self.comm = TPComm(0, config.tensor_parallel_size, ranks.host, ranks.port,
+                               ranks.device, ranks.backend, ranks.ranks_per_device)
         except BaseException:
-            _end(None, self.procs)
+            _end(None, ranks)
             raise
-        self._finalizer = weakref.finalize(self, _end, self.comm, self.procs)
+        self._finalizer = weakref.finalize(self, _end, self.comm, ranks)
 
     @property
     def pids(self) -> list[int]:
         """Process ids of ranks 1..tp-1."""
-        return [p.pid for p in self.procs]
+        return list(self.ranks.pids)
 
     def check_alive(self) -> None:
-        """Raises ``RuntimeError`` when a worker rank has exited (the replica is broken)."""
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
-                                   f"code {code}; the replica cannot continue")
+        """Raises ``RuntimeError`` when another rank has ended (the replica is broken)."""
+        self.ranks.check_alive()
 
     def close(self) -> None:
-        """Stops the worker ranks and leaves the process group (idempotent)."""
+        """Stops the other ranks and leaves the process group (idempotent)."""
         self._finalizer()
 
 
-def _end(comm: TPComm | None, procs: list[subprocess.Popen]) -> None:
-    if comm is not None:
-        if all(p.poll() is None for p in procs):
-            try:
-                comm.send_header(OP_SHUTDOWN)
-            except Exception as exc:  # noqa: BLE001 - a rank died meanwhile: killed below
-                logger.warning("tensor-parallel shutdown message failed: %s", exc)
-    for proc in procs:
+def _end(comm: TPComm | None, ranks: Any) -> None:
+    if comm is not None and ranks.all_alive():
         try:
-            proc.wait(timeout=_JOIN_TIMEOUT_S if comm is not None else 0.1)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            comm.send_header(OP_SHUTDOWN)
+        except Exception as exc:  # noqa: BLE001 - a rank died meanwhile: ended below
+            logger.warning("tensor-parallel shutdown message failed: %s", exc)
+    ranks.join(_JOIN_TIMEOUT_S if comm is not None else 0.1)
     if comm is not None:
         comm.close()

@@ -1,8 +1,10 @@
 """Ranks 1..tp-1 of a replica: load and shard the model, size the KV pool as rank 0 says,
 then run whatever rank 0 broadcasts (steps, sleep / wake, weight updates) until it says stop.
 
-``worker_main`` is the entry point of a worker process; it exits when rank 0's process dies
-(its sockets close under the collective it waits in, and a watchdog sees the parent go).
+``serve_rank`` is that loop, whoever started the rank: a Ray rank actor
+(``rank_actors.RankActor``) or a child process of rank 0 (``worker_main``, which also exits
+when rank 0's process dies: its sockets close under the collective it waits in, and a
+watchdog sees the parent go).
 """
 
 from __future__ import annotations
@@ -138,20 +140,30 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def worker_main(rank: int, world_size: int, port: int, model: str, config: dict,
-                backend: str, parent: int) -> None:
-    """A worker process: joins the replica's process group and serves rank 0."""
+def serve_rank(rank: int, world_size: int, host: str, port: int, model: str, config: dict,
+               backend: str, ranks_per_device: int) -> None:
+    """Rank ``rank`` of a replica: joins its process group at ``host:port`` (rank 0 hosts it),
+    loads its shard on ``config["device"]`` and serves rank 0 until told to stop."""
     from actors.engine.engine_config import EngineConfig
-    from actors.engine.parallel.comm import rank_device
 
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    config = EngineConfig.from_dict({**config, "device": rank_device(config["device"], rank)})
+    config = EngineConfig.from_dict(config)
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
-    comm = TPComm(rank, world_size, port, config.device, backend)
+    comm = TPComm(rank, world_size, host, port, config.device, backend, ranks_per_device)
     try:
         WorkerRank(model, config, comm).serve()
     finally:
         comm.close()
+
+
+def worker_main(rank: int, world_size: int, host: str, port: int, model: str, config: dict,
+                backend: str, ranks_per_device: int, parent: int) -> None:
+    """A worker process: rank ``rank`` on GPU ``rank`` of the visible ones (or CPU), ended
+    when its parent is."""
+    from actors.engine.parallel.comm import rank_device
+
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    config = {**config, "device": rank_device(config["device"], rank)}
+    serve_rank(rank, world_size, host, port, model, config, backend, ranks_per_device)
 
 
 if __name__ == "__main__":  # python -m actors.engine.parallel.worker '<json arguments>'

@@ -161,13 +161,13 @@ def test_dropped_engine_ends_its_ranks_and_a_dead_rank_is_reported(tiny_llama):
     engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
     (pid,) = engine.replica.pids
     assert _alive(pid)
-    proc = engine.replica.procs[0]
+    proc = engine.replica.ranks.procs[0]
     del engine
     gc.collect()
     assert proc.poll() is not None and not _alive(pid)
 
     engine = Engine(tiny_llama, {**CONFIG, "tensor_parallel_size": 2})
-    proc = engine.replica.procs[0]
+    proc = engine.replica.ranks.procs[0]
     proc.kill()
     proc.wait()
     engine.add_request("x", [1, 2, 3], dict(max_tokens=2))
