@@ -75,6 +75,30 @@ def test_fused_model_gives_the_same_logits_and_greedy_tokens(arch, monkeypatch):
     assert _greedy(model, ids) == _greedy(reference, ids)
 
 
+def test_with_the_fused_layers_the_views_go_through_their_kernels():
+    """qwen3: q/k norms, rotary and SiLU-mul kernels read the strided columns of the fused
+    GEMMs (TRITON_INTERPRET=1 on CPU) and give what they give on the separate layers' outputs."""
+    pytest.importorskip("triton")
+    import transformers
+
+    from actors.engine.model.fused_layers import install_fused_layers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96,
+                                   vocab_size=VOCAB, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    plain = copy.deepcopy(model)
+    assert install_fused_projections(model).describe()["qkv"] == 2
+    layers, plain_layers = install_fused_layers(model), install_fused_layers(plain)
+    ids = _ids()
+    with torch.no_grad(), layers.active():
+        ours = model(ids).logits
+    with torch.no_grad(), plain_layers.active():
+        ref = plain(ids).logits
+    assert torch.equal(ours, ref)
+
+
 def test_a_model_without_the_layout_is_untouched():
     """gpt2 computes q/k/v in one Conv1D (``c_attn``) and its MLP has no gate: nothing fused,
     no parameter moved."""
