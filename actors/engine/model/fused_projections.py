@@ -58,6 +58,10 @@ class ProjectionGroup:
         self.in_features = layers[0].in_features
         self.has_bias = layers[0].bias is not None
         self._key: tuple | None = None  # (input, shape, data_ptr, version) of the cached result
+        # (storage pointer, storage bytes, tensor pointers) found tiling one storage
+        self._tiled: dict[str, tuple[int, ...]] = {}
+        self._bounds = [(sum(self.sizes[:i]), sum(self.sizes[:i + 1]))
+                        for i in range(len(layers))]
         self._outs: tuple[torch.Tensor, ...] = ()
         self._left: set[int] = set()
 
@@ -81,20 +85,33 @@ class ProjectionGroup:
     def _fused(self, attr: str) -> torch.Tensor | None:
         """The group's ``[rows, in]`` weight (``[rows]`` bias) as a view of the layers'
         storage, or None when the layers' tensors no longer tile one storage in order."""
-        first = getattr(self.layers[0], attr)
-        if first.numel() == 0:
-            return None
-        base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-        width = self.in_features if attr == "weight" else 1
-        for m, size in zip(self.layers, self.sizes):
-            t = getattr(m, attr)
-            if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
-                    or not t.is_contiguous() or t.dtype != first.dtype):
+        tensors = [m._parameters[attr] for m in self.layers]
+        first = tensors[0]
+        storage = first.untyped_storage()
+        pointers = (storage.data_ptr(), storage.nbytes(), *(t.data_ptr() for t in tensors))
+        if pointers != self._tiled.get(attr):  # checked once per storage and layout
+            if not self._tile(tensors, attr):
                 return None
-            offset += size * width
-        shape = (self.rows, self.in_features) if attr == "weight" else (self.rows,)
-        stride = (self.in_features, 1) if attr == "weight" else (1,)
-        return first.as_strided(shape, stride)
+            self._tiled[attr] = pointers
+        if attr == "weight":
+            return first.as_strided((self.rows, self.in_features), (self.in_features, 1))
+        return first.as_strided((self.rows,), (1,))
+
+    def _tile(self, tensors: list[torch.Tensor], attr: str) -> bool:
+        """Whether ``tensors`` lie one after the other, each of its layer's shape, in one
+        storage."""
+        first = tensors[0]
+        if first.numel() == 0:
+            return False
+        base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+        for t, size in zip(tensors, self.sizes):
+            shape = (size, self.in_features) if attr == "weight" else (size,)
+            if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
+                    or tuple(t.shape) != shape or not t.is_contiguous()
+                    or t.dtype != first.dtype):
+                return False
+            offset += t.numel()
+        return True
 
     # ------------------------------------------------------------------ forward
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -103,7 +120,8 @@ class ProjectionGroup:
         bias = self._fused("bias") if self.has_bias else None
         if weight is None or (self.has_bias and bias is None):
             return None
-        return F.linear(x, weight, bias).split(self.sizes, -1)
+        y = F.linear(x, weight, bias)
+        return tuple(y[..., a:b] for a, b in self._bounds)
 
     def project(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s output for ``x`` (its ``forward``)."""
@@ -144,7 +162,7 @@ def _fusable(layers: list[Any]) -> str | None:
     if any(type(m) is not torch.nn.Linear for m in layers):
         return "not nn.Linear"
     if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
-           for m in layers):
+           for m in layers):  # a layer of another group too
         return "hooked or replaced forward"
     first = layers[0].weight
     if any(m.weight.dtype != first.dtype or m.weight.device != first.device
