@@ -150,7 +150,7 @@ class FusedProjections:
 
     def __init__(self) -> None:
         self.groups: dict[str, ProjectionGroup] = {}  # "<module>.q_proj+k_proj+v_proj"
-        self.kept: list[str] = []  # "<class>: why" of modules left alone
+        self.kept: list[str] = []  # "<class>.<layers>: why" of the groups left alone
 
     def describe(self) -> dict[str, Any]:
         qkv = sum(len(g.layers) == 3 for g in self.groups.values())
@@ -229,7 +229,7 @@ def install_fused_projections(model: torch.nn.Module, seed: int = 0) -> FusedPro
                 continue
             group = ProjectionGroup(layers)
             first = layers[0].weight
-            x = (torch.randn(5, group.in_features, generator=gen)).to(first.device, first.dtype)
+            x = torch.randn(5, group.in_features, generator=gen).to(first.device, first.dtype)
             want = [F.linear(x, m.weight, m.bias) for m in layers]
             group.fuse()
             got = group.compute(x)
