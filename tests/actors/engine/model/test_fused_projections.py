@@ -115,6 +115,32 @@ def test_a_model_without_the_layout_is_untouched():
     assert torch.equal(_logits(model, _ids()), ref)
 
 
+@pytest.mark.parametrize("model_type,qkv,gate_up", [
+    ("gemma2", 2, 2), ("cohere", 2, 2), ("mixtral", 2, 0),  # mixtral: 3-D experts
+    ("deepseek_v3", 0, 2),  # MLA: no q/k/v layers; the dense and shared-expert MLPs
+    ("phi3", 0, 0), ("falcon", 0, 0),  # qkv_proj / query_key_value: fused already
+    ("biogpt", 0, 0),  # its attention class may take k/v from another input
+])
+def test_architectures_stay_exact(model_type, qkv, gate_up):
+    from transformers import AutoModelForCausalLM
+
+    from tests.actors.engine.model.model_sweep import configs
+
+    ids = torch.tensor([[5, 6, 7, 9, 11, 13, 17]])
+    for config in configs(model_type):  # the first tiny config HF's forward runs
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+        try:
+            ref = _logits(model, ids)
+        except (RuntimeError, ValueError):
+            continue
+        break
+    described = install_fused_projections(model).describe()
+    assert (described["qkv"], described["gate_up"]) == (qkv, gate_up), described
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5
+
+
 class _CrossAttention(torch.nn.Module):
     """k/v read another input than q: the forward's source shows it, nothing is fused."""
 
