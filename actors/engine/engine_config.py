@@ -51,9 +51,10 @@ class EngineConfig:
             the model (``actors.engine.model.fused_layers``, each checked against the model's own code
             first); None means True on CUDA when Triton is installed, False elsewhere.
         fused_projections: run each attention's q/k/v projections, and each MLP's gate/up,
-            as one GEMM over weights concatenated in place (``actors.engine.model.fused_projections``;
-            the HF names stay views of the fused storage for ``update_weights``); None means
-            True on CUDA, False elsewhere; True on CPU fuses them too.
+            as one GEMM over weights concatenated in place
+            (``actors.engine.model.fused_projections``; the HF names stay views of the fused
+            storage for ``update_weights``); None means True on CUDA, False elsewhere; True
+            on CPU fuses them too.
         fused_moe: route MoE tokens and run their experts in the fused kernels
             (``actors.engine.model.moe``, each module checked against the model's own code
             first); None means True on CUDA when Triton is installed, False elsewhere. True
