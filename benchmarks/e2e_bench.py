@@ -242,6 +242,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         "max_model_len": prompt_len + out,
         "cuda_graphs": DEVICE == "cuda" and not args.no_graphs,
         "fused_layers": False if args.no_fused_layers else None,
+        "fused_projections": False if args.no_fused_projections else None,
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     load_s = time.perf_counter() - t0
     if args.mix == "job":  # job_bench's per-row mix (greedy, top-p, top-k, min-p, logprobs)
@@ -284,6 +285,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timing,
              "attention_backend": info["attention_backend"],
              "cuda_graphs": info["cuda_graphs"], "fused_layers": info["fused_layers"],
+             "fused_projections": info["fused_projections"],
              "sampler_backend": engine.sampler.backend,
              "num_kv_blocks": info["num_kv_blocks"], "output_tok_s_at_top_p": extra}
     del engine
@@ -373,6 +375,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="the model's own RMSNorm / rotary / SiLU code (no actors.engine.model.kernels)")
+    p.add_argument("--no-fused-projections", action="store_true",
+                   help="q/k/v and gate/up as the model's separate GEMMs")
     p.add_argument("--num-prompts", type=int, default=0, help="override the prompt count")
     p.add_argument("--mix", choices=("top_p", "job"), default="top_p",
                    help="the engine's sampling params: T + top-p (default), or job_bench's "

@@ -46,7 +46,8 @@ class EngineParts:
     inputs: InputProcessor
     outputs: OutputProcessor
     # seconds of each build phase: the loading phases of LoadedModel.phases
-    # (transformers_import, model_config, cuda_init, model_weights, tokenizer), fused_layers,
+    # (transformers_import, model_config, cuda_init, model_weights, tokenizer),
+    # fused_projections, fused_layers,
     # fused_moe (MoE models),
     # kv_cache (profiling step memory and allocating the pool), attention (probe + backend),
     # cuda_graphs (capture), rest
@@ -76,6 +77,12 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
                                         loaded.head_dim, value_dim=loaded.value_dim,
                                         layer_specs=loaded.layer_specs)
     use_graphs = resolve_cuda_graphs(config, device, backend_name)
+    projections = None
+    if resolve_fused_projections(config, device):
+        from actors.engine.model.fused_projections import install_fused_projections
+
+        projections = install_fused_projections(loaded.model)
+        phases.mark("fused_projections")
     fused = None
     if resolve_fused_layers(config, device):
         from actors.engine.model.fused_layers import install_fused_layers
@@ -124,6 +131,7 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
     runner = runner_cls(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
                         max_model_len=max_model_len, fused=fused)
     runner.moe = moe
+    runner.projections = projections
     if comm is not None:
         runner.comm = comm
     with comm.local() if comm is not None else nullcontext():
@@ -198,6 +206,14 @@ def resolve_fused_layers(config: EngineConfig, device: torch.device) -> bool:
     """Whether the fused Triton layers go into the model (CUDA with Triton installed)."""
     missing = None if importlib.util.find_spec("triton") else "triton is not installed"
     return _cuda_feature("fused_layers", config.fused_layers, device, missing)
+
+
+def resolve_fused_projections(config: EngineConfig, device: torch.device) -> bool:
+    """Whether q/k/v and gate/up run as fused GEMMs: on CUDA unless turned off, on another
+    device when asked for (plain torch: nothing is missing anywhere)."""
+    if config.fused_projections is None:
+        return device.type == "cuda"
+    return config.fused_projections
 
 
 def resolve_fused_moe(config: EngineConfig, device: torch.device) -> str | None:

@@ -50,6 +50,11 @@ class EngineConfig:
         fused_layers: swap one-kernel Triton RMSNorm, rotary embedding and gated SiLU into
             the model (``actors.engine.model.fused_layers``, each checked against the model's own code
             first); None means True on CUDA when Triton is installed, False elsewhere.
+        fused_projections: run each attention's q/k/v projections, and each MLP's gate/up,
+            as one GEMM over weights concatenated in place
+            (``actors.engine.model.fused_projections``; the HF names stay views of the fused
+            storage for ``update_weights``); None means True on CUDA, False elsewhere; True
+            on CPU fuses them too.
         fused_moe: route MoE tokens and run their experts in the fused kernels
             (``actors.engine.model.moe``, each module checked against the model's own code
             first); None means True on CUDA when Triton is installed, False elsewhere. True
@@ -95,6 +100,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int | None = None
     fused_layers: bool | None = None
+    fused_projections: bool | None = None
     fused_moe: bool | None = None
     sampler_backend: str = "auto"
     max_logprobs: int = 20
@@ -144,7 +150,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "trust_remote_code", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true or false", getattr(self, name))
-        for name in ("cuda_graphs", "fused_layers", "fused_moe"):
+        for name in ("cuda_graphs", "fused_layers", "fused_projections", "fused_moe"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise _fail(name, "must be true, false or None", getattr(self, name))
         if self.quantization not in _QUANTIZATIONS:

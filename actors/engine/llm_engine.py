@@ -496,6 +496,8 @@ class Engine:
             "cuda_graphs": self.executor.runner.graphs is not None,
             "fused_layers": (None if self.executor.runner.fused is None
                              else self.executor.runner.fused.describe()),
+            "fused_projections": (None if self.executor.runner.projections is None
+                                  else self.executor.runner.projections.describe()),
             "fused_moe": (None if self.executor.runner.moe is None
                           else self.executor.runner.moe.describe()),
             "sleep_level": self.memory.level,

@@ -125,6 +125,13 @@ def as_tensor_pairs(weights: Any) -> list[tuple[str, torch.Tensor]]:
             for name, v in iter_weights(weights)]
 
 
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a ``shape``/``stride`` view spans from its offset."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
 class WeightLoader:
     """Loads named tensors into a model's parameters and persistent buffers, in place.
 
@@ -148,6 +155,8 @@ class WeightLoader:
         self.missing: set[int] = set()  # id() of parameters that hold no weights (sleep 2)
         self.discarded = False           # parameters freed (between discard and restore)
         self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        # (device, dtype, storage) -> [(parameter, stride, storage offset)] of discarded views
+        self._storages: dict[tuple, list[tuple[torch.Tensor, tuple, int]]] = {}
 
     # ------------------------------------------------------------------ checks
     def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -276,8 +285,14 @@ class WeightLoader:
             return 0
         freed = 0
         self._shapes = {}
+        self._storages = {}
         for param in self.model.parameters():  # unique parameters (tied ones once)
             self._shapes[id(param)] = (param.shape, param.dtype, param.device)
+            # parameters that are views of one storage (fused projections) get one back
+            key = (param.device, param.dtype, param.untyped_storage().data_ptr()
+                   if param.numel() else -id(param))
+            self._storages.setdefault(key, []).append(
+                (param, param.stride(), param.storage_offset()))
             freed += param.numel() * param.element_size()
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self.missing.add(id(param))
@@ -285,12 +300,19 @@ class WeightLoader:
         return freed
 
     def restore(self) -> None:
-        """Re-allocates the parameters ``discard`` freed (contents undefined until loaded)."""
+        """Re-allocates the parameters ``discard`` freed (contents undefined until loaded);
+        parameters that were views of one storage are views of one new storage, at the same
+        offsets and strides."""
         if not self.discarded:
             return
-        for param in self.model.parameters():
-            shape, dtype, device = self._shapes[id(param)]
-            param.data = torch.empty(shape, dtype=dtype, device=device)
+        for (device, dtype, _), views in self._storages.items():
+            start = min(offset for _, _, offset in views)
+            end = max(offset + _extent(self._shapes[id(p)][0], stride)
+                      for p, stride, offset in views)
+            base = torch.empty(end - start, dtype=dtype, device=device)
+            for param, stride, offset in views:
+                param.data = base.as_strided(self._shapes[id(param)][0], stride, offset - start)
+        self._storages = {}
         self.discarded = False
 
     def missing_names(self) -> list[str]:

@@ -79,6 +79,8 @@ class ModelRunner:
         self.graphs = None  # actors.engine.model.cuda_graphs.DecodeGraphs once captured
         self.fused = fused  # actors.engine.model.fused_layers.FusedLayers installed in the model, or None
         self.moe = None  # actors.engine.model.moe.FusedMoE installed in the model, or None
+        # actors.engine.model.fused_projections.FusedProjections of the model, or None
+        self.projections = None
         self.sample_rows: torch.Tensor | None = None     # device copies of the step's
         self.sample_inverse: torch.Tensor | None = None  # sample_rows / sample_inverse
         self.sample_slots: torch.Tensor | None = None    # / sample_slots

@@ -50,6 +50,7 @@ class WorkerRank:
             make_kv_cache,
             probe_attention_layers,
             resolve_fused_layers,
+            resolve_fused_projections,
         )
         from actors.engine.model.attention import get_attention_backend, resolve_backend_name
         from actors.engine.model.attention.torch_backend import TorchAttentionBackend
@@ -61,6 +62,10 @@ class WorkerRank:
         self.comm = comm
         loaded, slices = load_shard(model, config, comm)
         device = loaded.device
+        if resolve_fused_projections(config, device):
+            from actors.engine.model.fused_projections import install_fused_projections
+
+            install_fused_projections(loaded.model)
         fused = None
         if resolve_fused_layers(config, device):
             from actors.engine.model.fused_layers import install_fused_layers

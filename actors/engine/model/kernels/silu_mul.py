@@ -57,27 +57,37 @@ def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr)
                  mask=mask)
 
 
-@triton.jit(do_not_specialize=["N"])  # the token count must not make new variants
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, I, gate_row, up_row, BLOCK: tl.constexpr):
+    """Programs ``(row, block of I)``: the token count is the grid, never an argument."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(gate_ptr + row * gate_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_row + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     s = round_to(g / (1.0 + tl.exp(-g)), dt)
-    tl.store(out_ptr + offs, round_to(s * u, dt).to(dt), mask=mask)
+    tl.store(out_ptr + row * I + cols, round_to(s * u, dt).to(dt), mask=mask)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    rows = t.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu_mul_torch`` in one elementwise kernel (same-shape, same-dtype inputs)."""
+    """``silu_mul_torch`` in one elementwise kernel (same-shape, same-dtype inputs). Rows may
+    be strided (the two column halves of one gate/up GEMM's output are read in place)."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         return silu_mul_torch(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        block = 2048
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=8)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    width = gate.shape[-1] if gate.dim() else 1
+    if out.numel():
+        g, u = _rows(gate, width), _rows(up, width)
+        block = min(triton.next_power_of_2(width), 2048)
+        _silu_mul_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, width, g.stride(0), u.stride(0), BLOCK=block,
+            num_warps=4 if block <= 1024 else 8)
     return out
 
 

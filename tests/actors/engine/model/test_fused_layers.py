@@ -61,6 +61,18 @@ def test_silu_mul_equals_torch(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_reads_the_halves_of_one_gate_up_output_in_place(dtype):
+    gen = torch.Generator().manual_seed(3)
+    both = (torch.randn(1, 7, 2 * 2500, generator=gen) * 4).to(DEVICE, dtype)
+    gate, up = both.split(2500, -1)  # [1, 7, 2500] views, rows 5000 apart
+    ours = silu_mul(gate, up)
+    assert ours.shape == gate.shape and ours.is_contiguous()
+    assert torch.equal(ours, silu_mul(gate.contiguous(), up.contiguous()))
+    assert _ulps(ours, silu_mul_torch(gate, up)) <= 2.0
+    assert silu_mul(gate[:, :0], up[:, :0]).shape == (1, 0, 2500)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hq,hk,dim", [(1, 1, 1, 8), (9, 7, 2, 64), (5, 32, 8, 128)])
 def test_rotary_is_bit_identical_to_torch(dtype, tokens, hq, hk, dim):
     gen = torch.Generator().manual_seed(tokens * hq + dim)

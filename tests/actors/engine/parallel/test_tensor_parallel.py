@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama and qwen3 (tied
-embeddings) in fp32; vocabularies that two ranks do not divide, and head paths that scale or
-cap the logits after the vocab-parallel LM head (granite, gemma2)."""
+"""Tensor parallelism on CPU (gloo): two ranks against one, on tiny llama, qwen3 (tied
+embeddings) and qwen2 (with fused projections) in fp32; vocabularies that two ranks do not
+divide, and head paths that scale or cap the logits after the vocab-parallel LM head (granite,
+gemma2)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2-fused"])
 def engines(request, tiny_model_factory):
-    path = tiny_model_factory(request.param)
+    """One rank against two; "-fused": the two ranks fuse their q/k/v and gate/up slices
+    (``fused_projections``) and are compared with the one rank's plain layers."""
+    arch, _, fused = request.param.partition("-")
+    path = tiny_model_factory(arch)
     one = Engine(path, CONFIG)
-    two = Engine(path, {**CONFIG, "tensor_parallel_size": 2})
+    two = Engine(path, {**CONFIG, "tensor_parallel_size": 2, "fused_projections": bool(fused)})
+    if fused:
+        assert two.info()["fused_projections"]["qkv"] == two.loaded.num_layers
     yield path, one, two
     pids = two.replica.pids
     two.close()
