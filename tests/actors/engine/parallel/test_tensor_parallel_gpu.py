@@ -1,10 +1,9 @@
 """Two tensor-parallel ranks on one CUDA GPU (gloo over CUDA tensors: NCCL refuses two ranks
 on one device) against one rank, in bf16.
 
-Run with ``pytest -m gpu tests/actors/engine/parallel`` on a CUDA machine (with flashinfer).
-Decode replays CUDA graphs on both ranks: a gloo all-reduce goes through the host and cannot be
-captured, so each rank's graph is captured in pieces between its all-reduces
-(docs/tensor_parallel.md).
+Run with ``pytest -m gpu tests/actors/engine/parallel`` on a CUDA machine. Decode runs eagerly
+on both ranks (CUDA graphs are off with tensor parallelism: a gloo all-reduce goes through the
+host and cannot be captured; docs/tensor_parallel.md).
 
 Tolerance (bf16): the two ranks sum the row-parallel partial products in another order than
 one rank's single GEMM, so logits differ by bf16 rounding. Each TP=2 greedy output equals the
@@ -47,13 +46,8 @@ def test_two_ranks_on_one_gpu_match_one(tiny_model_factory, arch):
     two = Engine(path, {**CONFIG, "tensor_parallel_size": 2})
     try:
         assert two.replica.comm.backend == "gloo"
-        assert two.info()["cuda_graphs"] is True
-        graphs = two.executor.runner.graphs
-        pieces = graphs._graphs[graphs.max_batch]
-        # an all-reduce after each attention and MLP block, and after the embedding
-        assert len(pieces) == 2 * two.loaded.num_layers + 2, len(pieces)
+        assert two.info()["cuda_graphs"] is False
         outputs = two.generate(requests, token_logprobs=True)
-        assert graphs.num_replays > 0
     finally:
         two.close()
     full = 0
