@@ -138,12 +138,16 @@ def _watch_parent(parent: int) -> None:
 def worker_main(rank: int, world_size: int, port: int, model: str, config: dict,
                 backend: str, parent: int) -> None:
     """A worker process: joins the replica's process group and serves rank 0."""
+    from actors.engine.cpu_threads import CPUThreads
     from actors.engine.engine_config import EngineConfig
     from actors.engine.parallel.comm import rank_device
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     config = EngineConfig.from_dict({**config, "device": rank_device(config["device"], rank)})
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    if config.cpu_threads is not None:  # rank 0's count (actors.engine.cpu_threads)
+        CPUThreads(config.cpu_threads).enter()
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     comm = TPComm(rank, world_size, port, config.device, backend)
     try:
         WorkerRank(model, config, comm).serve()
