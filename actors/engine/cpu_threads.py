@@ -6,10 +6,9 @@ the process may run on, divided by the engine's tensor-parallel ranks, and never
 ``OMP_NUM_THREADS`` when that is set. A GPU engine's threads are left as they are unless
 ``cpu_threads`` is set.
 
-``torch.set_num_threads`` sets the count of the calling thread only: a thread that never called
-it runs OpenMP and MKL with the default read when torch loaded (every core, unless
-``OMP_NUM_THREADS``), whatever ``torch.get_num_threads()`` reports. So the count is set on each
-thread that runs the engine (``CPUThreads.enter``, once per thread), not once per process.
+``torch.set_num_threads`` sets the calling thread's OpenMP count and the count a thread takes
+at its first parallel torch op; a thread that ran one before keeps the count it took then. So
+the count is set on each thread that runs the engine (``CPUThreads.enter``, once per thread).
 """
 
 from __future__ import annotations
