@@ -97,9 +97,9 @@ class GenerationActor:
     def startup_report(self) -> dict[str, float | None]:
         """Seconds the actor took to start: ``process_age`` (process start to ready, imports and
         Ray included), ``process_cpu`` (the CPU time the process had by then: well below
-        ``process_age``, it waited for a CPU or for Ray), ``engine_import``, ``engine_build`` (model load, KV pool, graph capture),
-        ``warm_up`` (CUDA only), ``io_warm_up`` (``actors.shard.warm_up_io``), and the
-        engine build's phases as ``build_<phase>``
+        ``process_age``, it waited for a CPU or for Ray), ``engine_import``, ``engine_build``
+        (model load, KV pool, graph capture), ``warm_up`` (CUDA only), ``io_warm_up``
+        (``actors.shard.warm_up_io``), and the engine build's phases as ``build_<phase>``
         (``Engine.startup``)."""
         return dict(self.startup)
 
