@@ -88,7 +88,8 @@ class GenerationActor:
         gc.collect()
         gc.freeze()
         age = _process_age_s()
-        self.startup = {"process_age": age, "engine_import": imported - started,
+        self.startup = {"process_age": age, "process_cpu": time.process_time(),
+                        "engine_import": imported - started,
                         "engine_build": built - imported, "warm_up": warm,
                         "io_warm_up": io_warm,
                         **{f"build_{k}": v for k, v in self.engine.startup.items()}}
@@ -98,9 +99,10 @@ class GenerationActor:
 
     def startup_report(self) -> dict[str, float | None]:
         """Seconds the actor took to start: ``process_age`` (process start to ready, imports and
-        Ray included), ``engine_import``, ``engine_build`` (model load, KV pool, graph capture),
-        ``warm_up`` (CUDA only), ``io_warm_up`` (``actors.shard.warm_up_io``), and the
-        engine build's phases as ``build_<phase>``
+        Ray included), ``process_cpu`` (the CPU time the process had by then: well below
+        ``process_age``, it waited for a CPU or for Ray), ``engine_import``, ``engine_build``
+        (model load, KV pool, graph capture), ``warm_up`` (CUDA only), ``io_warm_up``
+        (``actors.shard.warm_up_io``), and the engine build's phases as ``build_<phase>``
         (``Engine.startup``)."""
         return dict(self.startup)
 

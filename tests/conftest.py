@@ -6,6 +6,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Tiny models run fastest on one thread, and CI machines are shared: set before torch loads, so
+# every thread (and every CPU engine, actors.engine.cpu_threads) starts from one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _has_cuda() -> bool:

@@ -84,6 +84,10 @@ class EngineConfig:
             as it is; embeddings, norms and the LM head stay bf16. Needs a CUDA GPU of compute
             capability >= 8.9 (Hopper for speed) and bfloat16; refused elsewhere before the
             model loads. ``update_weights`` takes bf16 tensors and re-quantizes them.
+        cpu_threads: torch intra-op threads of the engine's process, set on each thread that
+            runs the engine (``actors.engine.cpu_threads``); None means, on CPU, the process's
+            share: a Ray actor's ``num_cpus``, else the CPUs it may use, per
+            tensor-parallel rank, at most ``OMP_NUM_THREADS``; on CUDA, torch's own.
     """
 
     dtype: DType = "auto"
@@ -112,6 +116,7 @@ class EngineConfig:
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     quantization: Quantization | None = None
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -126,7 +131,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _fail(name, "must be an integer >= 1", value)
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory",
-                     "cuda_graph_max_batch"):
+                     "cuda_graph_max_batch", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 
 from actors.engine import profiling
 from actors.engine.builder import EngineParts, build_engine_parts
+from actors.engine.cpu_threads import engine_cpu_threads
 from actors.engine.engine_config import EngineConfig
 from actors.engine.executor import InflightStep, StepExecutor
 from actors.engine.generation_output import GenerationOutput
@@ -87,6 +88,11 @@ class Engine:
 
     def __init__(self, model: str, config: EngineConfig | Mapping[str, Any] | None = None):
         self.config = EngineConfig.coerce(config)
+        # set here (the model loads on this thread) and by each thread that steps the engine
+        self.cpu_threads = engine_cpu_threads(self.config.device, self.config.cpu_threads,
+                                              self.config.tensor_parallel_size)
+        if self.cpu_threads.count is not None:  # the other ranks take the same count
+            self.config = self.config.replace(cpu_threads=self.cpu_threads.count)
         self.replica = None  # actors.engine.parallel.replica.Replica with tensor parallelism
         if self.config.tensor_parallel_size > 1:
             from actors.engine.parallel.replica import Replica
@@ -279,6 +285,7 @@ class Engine:
     def step(self) -> list[GenerationOutput]:
         """Runs one step; returns the outputs of the samples that finished (or failed)."""
         with self._step_lock:
+            self.cpu_threads.enter()
             started, cpu_started = time.perf_counter(), time.thread_time()
             wait_before, cpu_before = self.counters.device_wait_s, self.counters.cpu_s
             if self._blocked is not None and self.has_unfinished_requests():
@@ -412,6 +419,7 @@ class Engine:
         are unfinished or the weights' memory is asleep (level 2: ``wake_up()`` first).
         """
         with self._step_lock:
+            self.cpu_threads.enter()
             self._quiesce("update_weights")
             try:
                 if self.replica is None:
@@ -503,6 +511,7 @@ class Engine:
             "sleep_level": self.memory.level,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "quantization": self.loaded.quantization,
+            "cpu_threads": self.cpu_threads.count,  # None: torch's own (a GPU engine)
         }
 
     @property

@@ -149,10 +149,14 @@ def serve_rank(rank: int, world_size: int, host: str, port: int, model: str, con
                backend: str, ranks_per_device: int) -> None:
     """Rank ``rank`` of a replica: joins its process group at ``host:port`` (rank 0 hosts it),
     loads its shard on ``config["device"]`` and serves rank 0 until told to stop."""
+    from actors.engine.cpu_threads import CPUThreads
     from actors.engine.engine_config import EngineConfig
 
     config = EngineConfig.from_dict(config)
-    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    if config.cpu_threads is not None:  # rank 0's count (actors.engine.cpu_threads)
+        CPUThreads(config.cpu_threads).enter()
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     comm = TPComm(rank, world_size, host, port, config.device, backend, ranks_per_device)
     try:
         WorkerRank(model, config, comm).serve()

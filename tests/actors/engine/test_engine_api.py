@@ -208,7 +208,7 @@ def test_generation_actor(tiny_llama, monkeypatch):
     info = actor.info()
     assert info["architecture"].startswith("LlamaForCausalLM") and info["max_num_seqs"] == 4
     startup = actor.startup_report()
-    assert {"process_age", "engine_import", "engine_build", "warm_up", "io_warm_up",
+    assert {"process_age", "process_cpu", "engine_import", "engine_build", "warm_up", "io_warm_up",
             "build_transformers_import", "build_model_config",
             "build_model_weights", "build_tokenizer", "build_kv_cache", "build_attention",
             "build_rest"} == set(startup)  # CPU: no device context, fused layers or graphs
@@ -218,6 +218,7 @@ def test_generation_actor(tiny_llama, monkeypatch):
     # the shard I/O path is warmed once, before the actor is ready, and its time reported
     assert warmed == [1] and startup["io_warm_up"] >= 1000.0
     assert startup["process_age"] > startup["engine_build"]
+    assert 0 < startup["process_cpu"]  # this test process's CPU seconds so far
     params = [SamplingParams(max_tokens=3, n=2, seed=1), {"max_tokens": 2, "seed": 5},
               None]
     outs = actor.generate(["Hello", [5, 6, 7], [{"role": "user", "content": "hi"}]], params)
