@@ -1,8 +1,9 @@
 """GenerationActor: one model + engine per process; a plain class that callers wrap with
 ``ray.remote`` (``ray.remote(num_gpus=1)(GenerationActor)``) or use directly. With
 ``tensor_parallel_size`` > 1 it is rank 0 of a replica: scheduled in bundle 0 of a placement
-group of a bundle per rank (a job's replica), its engine starts the other ranks as Ray actors
-in the other bundles, elsewhere as child processes (``docs/tensor_parallel.md``)."""
+group of a bundle per rank (a job's or a ``RolloutPool``'s replica), its engine starts the
+other ranks as Ray actors in the other bundles, elsewhere as child processes
+(``docs/tensor_parallel.md``)."""
 
 from __future__ import annotations
 

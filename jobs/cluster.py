@@ -42,17 +42,12 @@ def connect(address: str | None) -> None:
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
 
 
-def replica_gpus(engine_options: Any, num_gpus_per_actor: float) -> float:
-    """GPUs one replica reserves: ``num_gpus_per_actor`` per tensor-parallel rank."""
-    return num_gpus_per_actor * _tensor_parallel_size(engine_options)
-
-
 def replica_bundles(engine_options: Any, num_gpus_per_actor: float,
                     num_cpus: float = 1) -> list[dict[str, float]] | None:
-    """The placement-group bundles of a job's replica: one per tensor-parallel rank, each
-    ``num_cpus`` CPUs and ``num_gpus_per_actor`` GPUs (rank 0, the generation actor, in bundle
-    0; it starts the other ranks in theirs, ``actors.engine.parallel.rank_actors``). None for
-    one rank: the actor alone, no group."""
+    """The placement-group bundles of a replica (a job's or a ``RolloutPool``'s): one per
+    tensor-parallel rank, each ``num_cpus`` CPUs and ``num_gpus_per_actor`` GPUs (rank 0, the
+    generation actor, in bundle 0; it starts the other ranks in theirs,
+    ``actors.engine.parallel.rank_actors``). None for one rank: the actor alone, no group."""
     tp = _tensor_parallel_size(engine_options)
     if tp == 1:
         return None
@@ -67,6 +62,16 @@ def replica_group(bundles: list[dict[str, float]]) -> Any:
     from ray.util.placement_group import placement_group
 
     return placement_group(bundles, strategy="STRICT_PACK")
+
+
+def in_bundle_zero(group: Any) -> Any:
+    """The scheduling strategy that starts a replica's rank 0 in bundle 0 of ``group``; None
+    (Ray's default placement) without a group."""
+    if group is None:
+        return None
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 
 
 def remove_replica_group(group: Any) -> None:
@@ -128,13 +133,8 @@ def actor_factory(actor_cls: Any, model: str, engine_config: Any, num_gpus: floa
                    max_restarts=0, max_task_retries=0)
 
     def start(first_shard: Any = None, placement_group: Any = None) -> Any:
-        strategy = None
-        if placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            strategy = PlacementGroupSchedulingStrategy(placement_group,
-                                                        placement_group_bundle_index=0)
-        return remote_cls.options(**options, scheduling_strategy=strategy).remote(
+        return remote_cls.options(**options,
+                                  scheduling_strategy=in_bundle_zero(placement_group)).remote(
             model, engine_config, first_shard=first_shard)
 
     return start

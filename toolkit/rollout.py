@@ -25,12 +25,13 @@ class RolloutPool:
 
     Args:
         model: local directory or hub id (read once, when the actors start).
-        num_actors: actors in the pool.
+        num_actors: actors in the pool (replicas).
         engine: ``EngineConfig`` fields (dict) or an ``EngineConfig``.
         num_gpus_per_actor: GPUs per actor; 0 runs the engines on CPU. With
-            ``engine={"tensor_parallel_size": tp}`` an actor is a replica of ``tp`` ranks and
-            reserves ``tp * num_gpus_per_actor`` GPUs.
-        num_cpus_per_actor: CPUs Ray reserves per actor.
+            ``engine={"tensor_parallel_size": tp}`` (tp > 1) an actor is a replica of ``tp``
+            ranks, a Ray placement group of one bundle per rank (``STRICT_PACK``: one node),
+            and this is GPUs per rank: a replica reserves ``tp * num_gpus_per_actor`` GPUs.
+        num_cpus_per_actor: CPUs Ray reserves per actor (per rank with tp > 1).
         logprob_columns: default logprob columns of ``generate`` (see ``actors.rollout_table``).
         ray_address: Ray to connect to (None: the current one, ``RAY_ADDRESS``, else a local
             Ray on 127.0.0.1).
@@ -49,38 +50,62 @@ class RolloutPool:
                  ray_address: str | None = None):
         from actors.engine.engine_config import EngineConfig
         from actors.rollout_table import canonical_columns
-        from jobs.cluster import check_resources, connect, replica_gpus
+        from jobs.cluster import check_resources, connect, replica_bundles
 
+        self._actors: list[Any] = []
+        self._groups: list[Any] = []  # the replicas' placement groups (tensor parallelism)
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors: must be an integer >= 1, got {num_actors!r}")
         if num_gpus_per_actor < 0:
             raise ValueError(f"num_gpus_per_actor: must be >= 0, got {num_gpus_per_actor!r}")
+        if num_cpus_per_actor < 0:
+            raise ValueError(f"num_cpus_per_actor: must be >= 0, got {num_cpus_per_actor!r}")
         options = EngineConfig.coerce(engine).to_dict() if isinstance(engine, EngineConfig) \
             else dict(engine or {})
         if num_gpus_per_actor == 0:
             options.setdefault("device", "cpu")
         EngineConfig.check(options)  # fail here, naming the option; resolve on the actor
+        # a replica: one actor, or with tensor parallelism a placement group of a bundle per rank
+        bundles = replica_bundles(options, num_gpus_per_actor, num_cpus_per_actor)
+        if bundles and not any(bundles[0].values()):
+            raise ValueError("num_cpus_per_actor: must be > 0 when num_gpus_per_actor is 0 and "
+                             "engine.tensor_parallel_size > 1 (each rank's bundle needs a "
+                             "resource)")
         self.model = str(model)
         self.logprob_columns = canonical_columns(logprob_columns)
         connect(ray_address)
-        num_gpus = replica_gpus(options, num_gpus_per_actor)  # per replica: GPUs x ranks
-        check_resources(num_actors, num_gpus)
+        ranks = len(bundles) if bundles else 1
+        check_resources(num_actors, num_gpus_per_actor * ranks, num_cpus_per_actor * ranks)
         import ray
 
-        from actors.actor import GenerationActor
-
-        remote_cls = ray.remote(GenerationActor).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus, max_restarts=0,
-            max_task_retries=0)
-        self._actors = [remote_cls.remote(self.model, options) for _ in range(num_actors)]
         try:
+            self._start(num_actors, options, bundles, num_gpus_per_actor, num_cpus_per_actor)
             self._info = ray.get([a.info.remote() for a in self._actors])
             self._spec = ray.get(self._actors[0].weight_spec.remote())
-        except Exception:
+        except BaseException:
             self.shutdown()
             raise
         logger.info("rollout pool: %d actor(s) of %s on %s", num_actors, self.model,
                     self._info[0]["device"])
+
+    def _start(self, num_actors: int, options: dict[str, Any],
+               bundles: list[dict[str, float]] | None, num_gpus: float,
+               num_cpus: float) -> None:
+        """Starts the actors, each in bundle 0 of a placement group of its own when
+        ``bundles`` (its engine starts the other ranks in the other bundles)."""
+        import ray
+
+        from actors.actor import GenerationActor
+        from jobs.cluster import in_bundle_zero, replica_group
+
+        remote_cls = ray.remote(GenerationActor)
+        for _ in range(num_actors):
+            group = replica_group(bundles) if bundles else None
+            if group is not None:
+                self._groups.append(group)
+            self._actors.append(remote_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=in_bundle_zero(group)).remote(self.model, options))
 
     # ------------------------------------------------------------------ generation
     @property
@@ -228,14 +253,18 @@ class RolloutPool:
         return self._actors
 
     def shutdown(self) -> None:
-        """Stops the actors (their memory is freed); the pool cannot be used afterwards."""
+        """Stops the actors (their memory is freed) and removes the replicas' placement
+        groups, which ends their other ranks; the pool cannot be used afterwards."""
         import ray
 
-        from jobs.cluster import wait_until_dead
+        from jobs.cluster import remove_replica_group, wait_until_dead
 
         actors, self._actors = self._actors, []
+        groups, self._groups = self._groups, []
         for actor in actors:
             ray.kill(actor)
+        for group in groups:
+            remove_replica_group(group)
         wait_until_dead(actors)  # gone before the caller's Ray shuts down (see there)
 
     def __enter__(self) -> RolloutPool:

@@ -1,9 +1,11 @@
-"""Shared test helpers: one local Ray per session, input files, reading the output back."""
+"""Shared test helpers: one local Ray per session, input files, reading the output back, what
+is still alive (actors, processes)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +165,37 @@ def temporaries(out: str | os.PathLike) -> list[str]:
     folders = [out, out / ".raygen"]
     return sorted(p.name for folder in folders if folder.is_dir() for p in folder.iterdir()
                   if p.name.startswith(".") and p.is_file())
+
+
+def alive_actor_classes() -> list[str]:
+    """Class names of the live actors: from ``ray.util.state`` where its API server runs,
+    else (no dashboard, as in these tests) from the GCS actor table it reads."""
+    import ray
+    from ray.util.state.exception import ServerUnavailable
+
+    try:
+        from ray.util.state import list_actors
+
+        return [a.class_name for a in list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("state", "=", "ALIVE")])]
+    except (ServerUnavailable, ConnectionError):
+        return [a["ActorClassName"] for a in ray._private.state.actors().values()
+                if a["State"] == "ALIVE"]
+
+
+def processes_gone(pids: list[int], wait_s: float = 10.0) -> bool:
+    """Whether every process of ``pids`` has ended within ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False

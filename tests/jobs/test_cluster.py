@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from jobs.cluster import check_resources, replica_bundles, replica_gpus
+from jobs.cluster import check_resources, replica_bundles
 
 
 def test_a_bundle_per_rank_and_none_for_one_rank():
@@ -14,7 +14,7 @@ def test_a_bundle_per_rank_and_none_for_one_rank():
     assert replica_bundles({"tensor_parallel_size": 1}, 0.5) is None
     assert replica_bundles({"tensor_parallel_size": 3}, 0.5) == [{"CPU": 1.0, "GPU": 0.5}] * 3
     assert replica_bundles({"tensor_parallel_size": 2}, 0) == [{"CPU": 1.0}] * 2  # CPU ranks
-    assert replica_gpus({"tensor_parallel_size": 2}, 1) == 2
+    assert replica_bundles({"tensor_parallel_size": 2}, 1, 2) == [{"CPU": 2.0, "GPU": 1.0}] * 2
 
 
 @pytest.fixture

@@ -19,7 +19,13 @@ from actors.actor import GenerationActor
 from actors.engine.parallel.rank_actors import ActorRanks
 from jobs.runner import run_job
 from tests.jobs.acceptance_data import acceptance_rows
-from tests.jobs.helpers import assert_identical, read_output, write_jsonl
+from tests.jobs.helpers import (
+    alive_actor_classes,
+    assert_identical,
+    processes_gone,
+    read_output,
+    write_jsonl,
+)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor class travels
 
@@ -85,51 +91,19 @@ def _pids(run_dir) -> list[int]:
     return [p for replica in _replicas(run_dir) for p in replica["pids"]]
 
 
-def _alive_actor_classes() -> list[str]:
-    """Class names of the live actors: from ``ray.util.state`` where its API server runs,
-    else (no dashboard, as in these tests) from the GCS actor table it reads."""
-    from ray.util.state.exception import ServerUnavailable
-
-    try:
-        from ray.util.state import list_actors
-
-        return [a.class_name for a in list_actors(
-            address=ray.get_runtime_context().gcs_address,
-            filters=[("state", "=", "ALIVE")])]
-    except (ServerUnavailable, ConnectionError):
-        return [a["ActorClassName"] for a in ray._private.state.actors().values()
-                if a["State"] == "ALIVE"]
-
-
 def _assert_nothing_left(run_dir) -> None:
     """Every rank's process ended, every replica's placement group removed, no rank actor
     or generation actor alive."""
     replicas = _replicas(run_dir)
     assert replicas and all(r["actors"] and r["group"] for r in replicas), replicas
-    assert _gone(_pids(run_dir))
+    assert processes_gone(_pids(run_dir))
     table = ray.util.placement_group_table()
     assert {table[r["group"]]["state"] for r in replicas} == {"REMOVED"}
     deadline = time.monotonic() + 10
-    while {"RankActor", "RecordingActor"} & set(_alive_actor_classes()) \
+    while {"RankActor", "RecordingActor"} & set(alive_actor_classes()) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not {"RankActor", "RecordingActor"} & set(_alive_actor_classes())
-
-
-def _gone(pids: list[int], wait_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.2)
-    return False
+    assert not {"RankActor", "RecordingActor"} & set(alive_actor_classes())
 
 
 def test_two_ranks_write_the_token_ids_of_one_and_a_killed_rank_is_retried(tp_job, tmp_path):

@@ -1,10 +1,11 @@
 """Ranks 1..tp-1 of a replica as Ray actors, the launcher inside Ray.
 
 Rank 0 (the engine's actor) runs in bundle 0 of a placement group with a bundle per rank (a
-job's replica: STRICT_PACK, so one node, see ``jobs.cluster.replica_bundles``) and starts
-``RankActor`` r in bundle r, with that bundle's CPUs and GPUs: each rank uses the GPU Ray gave
-it. The rendezvous is on rank 0's node address (as Ray sees it). The rank actors are owned by
-rank 0's process, so they end with it; removing the placement group ends every rank.
+job's or a ``RolloutPool``'s replica: STRICT_PACK, so one node, see
+``jobs.cluster.replica_bundles``) and starts ``RankActor`` r in bundle r, with that bundle's
+CPUs and GPUs: each rank uses the GPU Ray gave it. The rendezvous is on rank 0's node address
+(as Ray sees it). The rank actors are owned by rank 0's process, so they end with it; removing
+the placement group ends every rank.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class RankActor:
     """One rank > 0 of a replica (``ray.remote``-wrapped by ``ActorRanks``)."""
 
     def describe(self) -> dict[str, Any]:
-        """This rank's process id and the GPU ids Ray gave it."""
+        """This rank's process id, the GPU ids Ray gave it and its placement group's id."""
         import ray
 
-        return {"pid": os.getpid(), "gpus": sorted(str(g) for g in ray.get_gpu_ids())}
+        group = ray.util.get_current_placement_group()
+        return {"pid": os.getpid(), "gpus": sorted(str(g) for g in ray.get_gpu_ids()),
+                "placement_group": group.id.hex() if group is not None else None}
 
     def serve(self, rank: int, world_size: int, host: str, port: int, model: str,
               config: dict, backend: str, ranks_per_device: int) -> None:
@@ -82,6 +85,7 @@ class ActorRanks:
             self.join(0.0)
             raise
         self.pids = [f["pid"] for f in facts]
+        self.placement_groups = [f["placement_group"] for f in facts]  # ids, for checks
         gpus = [tuple(sorted(str(g) for g in ray.get_gpu_ids()))] + [tuple(f["gpus"])
                                                                       for f in facts]
         self.device = config.device
