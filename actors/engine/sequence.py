@@ -77,6 +77,7 @@ class Sequence:
     reserved_slots: list[int] = field(default_factory=list)  # slots kept for the forks
     pending_row: int = -1           # row of the in-flight step that samples token_ids[-1]
     num_pending: int = 0            # PENDING placeholders in token_ids
+    steady_until: int = 0           # token count up to which decodes skip the scheduler's checks
     # outputs
     logprobs: list[float] | None = None
     sampled_ranks: list[int] | None = None
