@@ -27,7 +27,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.logprob_rows = LogprobRows()  # the lists the last step's logprob rows append to
+        self.logprob_rows = LogprobRows()  # logprobs per step until a sequence finishes
 
     def start(self, seq: Sequence) -> None:
         """Prepares a sequence's output state (first admission or a fork)."""
@@ -38,7 +38,7 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens)
         if params.logprobs is not None and seq.logprobs is None:
-            seq.logprobs, seq.sampled_ranks = [], []
+            seq.logprobs, seq.sampled_ranks, seq.logprob_runs = [], [], []
             if params.logprobs != 0:
                 seq.top_rows, seq.top_blocks = [], []
         if seq.request.token_logprobs and seq.raw_logprobs is None:
@@ -147,6 +147,7 @@ class OutputProcessor:
         if PENDING in seq.token_ids:
             del seq.token_ids[seq.token_ids.index(PENDING):]
         seq.num_pending = 0
+        self.logprob_rows.flush(seq)
         n_out = seq.num_output_tokens
         for name in ("logprobs", "sampled_ranks", "top_rows", "top_blocks", "raw_logprobs",
                      "temperature_logprobs"):
@@ -165,6 +166,7 @@ class OutputProcessor:
         groups: dict[tuple[int, int, int], list[Sequence]] = {}
         tops: dict[int, TopLogprobs] = {}
         for seq in seqs:
+            self.logprob_rows.flush(seq)
             blocks = seq.top_blocks
             if seq.top_rows is None:
                 continue
@@ -190,6 +192,7 @@ class OutputProcessor:
     def build(self, seq: Sequence, top: TopLogprobs | None = None) -> GenerationOutput:
         """The output row of a finished sequence (``top``: its top logprobs when gathered
         already, :meth:`top_logprobs_of`)."""
+        self.logprob_rows.flush(seq)
         if top is None and seq.top_rows is not None:
             top = self.top_logprobs_of([seq])[id(seq)]
         request = seq.request

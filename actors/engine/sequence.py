@@ -85,6 +85,8 @@ class Sequence:
     # [n, kout], shared by the sequences of one step: no copy per sequence)
     top_rows: list[int] | None = None
     top_blocks: list[tuple[Any, Any]] | None = None
+    # steps recorded but not yet in the lists above (actors.engine.logprob_rows)
+    logprob_runs: list[tuple[Any, int, int]] | None = None
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None
