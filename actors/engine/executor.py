@@ -68,7 +68,7 @@ class StepExecutor:
         """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids.
         The phases are methods so that a benchmark's ``StepTimer`` can time each of them
         (``actors.engine.step_timer``) without a check on this path."""
-        inputs = self.runner.prepare(sched)
+        inputs = self.runner.prepare(sched, prev.sample_seqs if prev is not None else None)
         step, hidden = self.forward(sched, inputs, prev)
         if sched.sample_seqs:
             self.sample(sched, inputs, self.logits(hidden), step, prev)
@@ -117,7 +117,7 @@ class StepExecutor:
             tokens.append(PENDING)
             seq.num_pending += 1
             seq.pending_row = row
-        step.sample_seqs = list(sample_seqs)
+        step.sample_seqs = sample_seqs  # the scheduler's list: the runner knows it by identity
 
     def _token_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
                         seqs: list[Sequence]) -> AsyncOutput:

@@ -345,13 +345,11 @@ class Engine:
         counters.device_wait_s += time.perf_counter() - waited
         counters.cpu_s -= time.thread_time() - cpu_waited  # a spinning wait is not host work
         tokens = host.token_ids.tolist()
-        values = host.logprobs.tolist() if host.logprobs is not None else None
-        ranks = host.ranks.tolist() if host.ranks is not None else None
         extra = step.token_logprobs.get().token_ids.tolist() \
             if step.token_logprobs is not None else None
         outputs = self.outputs
-        done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra, values,
-                                  ranks, host.topk_ids, host.topk_values)
+        done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra,
+                                  host.logprobs, host.ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
             tops = outputs.top_logprobs_of(done)
             for seq in done:

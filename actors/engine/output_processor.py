@@ -9,6 +9,7 @@ import numpy as np
 
 from actors.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from actors.engine.generation_output import GenerationOutput, TopLogprobs
+from actors.engine.logprob_rows import LogprobRows
 from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
 from sampler.seeding import sample_seed
 
@@ -26,6 +27,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.logprob_rows = LogprobRows()  # logprobs per step until a sequence finishes
 
     def start(self, seq: Sequence) -> None:
         """Prepares a sequence's output state (first admission or a fork)."""
@@ -36,42 +38,23 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens)
         if params.logprobs is not None and seq.logprobs is None:
-            seq.logprobs, seq.sampled_ranks = [], []
+            seq.logprobs, seq.sampled_ranks, seq.logprob_runs = [], [], []
             if params.logprobs != 0:
                 seq.top_rows, seq.top_blocks = [], []
         if seq.request.token_logprobs and seq.raw_logprobs is None:
             seq.raw_logprobs, seq.temperature_logprobs = [], []
 
     # ------------------------------------------------------------------ per token
-    def record_logprobs(self, seqs: list[Sequence], rows: list[int], values: list[float],
-                        ranks: list[int], top_ids: np.ndarray | None,
-                        top_values: np.ndarray | None) -> None:
-        """Appends one step's sampled-token value, rank and top-k to each of ``seqs`` (the
-        sequences of the step's ``rows`` that asked for logprobs). The top-k rows are copied
-        once per step into a block the sequences share: the step's pinned host buffer is not
-        kept alive, and no array is made per sequence."""
-        tops, top_rows = [], []
-        for seq, row in zip(seqs, rows):
-            seq.logprobs.append(values[row])
-            seq.sampled_ranks.append(ranks[row])
-            if seq.top_rows is not None:
-                tops.append(seq)
-                top_rows.append(row)
-        if tops:
-            block = (top_ids[top_rows], top_values[top_rows])
-            for j, seq in enumerate(tops):
-                seq.top_blocks.append(block)
-                seq.top_rows.append(j)
-
     def apply_step(self, seqs: list[Sequence], pending_pos: list[int], tokens: list[int],
-                   extra: list[list[float]] | None, values: list[float] | None,
-                   ranks: list[int] | None, top_ids: np.ndarray | None,
+                   extra: list[list[float]] | None, values: np.ndarray | None,
+                   ranks: np.ndarray | None, top_ids: np.ndarray | None,
                    top_values: np.ndarray | None) -> list[Sequence]:
         """Applies one step's read-back results to the sequences that sampled in it (row
-        ``r`` of each list is ``seqs[r]``'s): the sampled token at its placeholder
+        ``r`` of each list or array is ``seqs[r]``'s): the sampled token at its placeholder
         ``pending_pos[r]``, the raw and temperature logprobs (``extra``) and the logprobs
-        where asked. Returns the sequences that finished with this token; a sequence
-        finished before (or aborted) drops its token."""
+        where asked (``values``, ``ranks`` ``[S]``, ``top_ids``/``top_values`` ``[S, k]``,
+        through :class:`LogprobRows`). Returns the sequences that finished with this token;
+        a sequence finished before (or aborted) drops its token."""
         finished, max_len = SeqStatus.FINISHED, self.max_model_len
         append_token = self.append_token
         lp_seqs, lp_rows, done = [], [], []
@@ -95,7 +78,7 @@ class OutputProcessor:
             elif append_token(seq, token, pos):
                 done.append(seq)
         if lp_seqs:  # before any finished sequence's output is built
-            self.record_logprobs(lp_seqs, lp_rows, values, ranks, top_ids, top_values)
+            self.logprob_rows.record(lp_seqs, lp_rows, values, ranks, top_ids, top_values)
         return done
 
     def _top_k(self, seq: Sequence) -> int:
@@ -164,6 +147,7 @@ class OutputProcessor:
         if PENDING in seq.token_ids:
             del seq.token_ids[seq.token_ids.index(PENDING):]
         seq.num_pending = 0
+        self.logprob_rows.flush(seq)
         n_out = seq.num_output_tokens
         for name in ("logprobs", "sampled_ranks", "top_rows", "top_blocks", "raw_logprobs",
                      "temperature_logprobs"):
@@ -182,6 +166,7 @@ class OutputProcessor:
         groups: dict[tuple[int, int, int], list[Sequence]] = {}
         tops: dict[int, TopLogprobs] = {}
         for seq in seqs:
+            self.logprob_rows.flush(seq)
             blocks = seq.top_blocks
             if seq.top_rows is None:
                 continue
@@ -207,6 +192,7 @@ class OutputProcessor:
     def build(self, seq: Sequence, top: TopLogprobs | None = None) -> GenerationOutput:
         """The output row of a finished sequence (``top``: its top logprobs when gathered
         already, :meth:`top_logprobs_of`)."""
+        self.logprob_rows.flush(seq)
         if top is None and seq.top_rows is not None:
             top = self.top_logprobs_of([seq])[id(seq)]
         request = seq.request

@@ -181,6 +181,18 @@ class Scheduler:
                 continue
             num_tokens = len(seq.token_ids)
             start = seq.num_computed_tokens
+            if num_tokens - start == 1 and num_tokens <= seq.steady_until:
+                # a decode within its steady bound (set when it was last scheduled through
+                # _schedule_chunk): none of the checks below can change its chunk
+                seq.num_computed_tokens = num_tokens
+                sample_chunks.append(len(seqs_out))
+                seqs_out.append(seq)
+                sample_seqs.append(seq)
+                starts.append(start)
+                nums.append(1)
+                added += 1
+                budget -= 1
+                continue
             if split and num_tokens - start != 1:
                 if num_tokens - start > 1:
                     prefills.append(seq)
@@ -204,6 +216,7 @@ class Scheduler:
                 if after == num_tokens:
                     sample_chunks.append(len(seqs_out) - 1)
                     sample_seqs.append(seq)
+                seq.steady_until = self._steady_bound(seq)
                 continue
             if seq.fanout > 1:
                 need += self._fork_pages(seq, after)
@@ -304,6 +317,22 @@ class Scheduler:
             out.sample_chunks.append(chunk_idx)
             if seq.fanout > 1:
                 self._fork(seq, chunk_idx, out)
+        seq.steady_until = self._steady_bound(seq)
+
+    def _steady_bound(self, seq: Sequence) -> int:
+        """The token count up to which a one-token decode chunk of ``seq`` is the common
+        case, as its pages, prompt, fan-out and registered blocks stand now (they change only
+        through ``_schedule_chunk``, which sets the bound again, or preemption, which clears
+        it): the chunk needs no page, is not a prompt row, forks nothing, registers no block
+        and does not end the generation. 0 when its next chunk is not such a decode."""
+        if seq.fanout > 1 or seq.num_computed_tokens < seq.num_prompt:
+            return 0
+        bound = min(len(seq.block_table) * self.block_size, self.max_model_len - 1,
+                    seq.max_num_tokens - 1)
+        if self.bm.enable_prefix_caching:  # before the next full block of known or computed
+            registered = min(len(seq.block_hashes), seq.num_registered_blocks)
+            bound = min(bound, (registered + 1) * self.block_size - 1)
+        return bound
 
     def _blocks_to_register(self, seq: Sequence, computed_after: int) -> bool:
         """Whether a block of ``seq`` became full or computed (false on most decode steps)."""
@@ -366,6 +395,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.steady_until = 0
         self._release_slots(seq, out.released_slots)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

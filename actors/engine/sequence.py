@@ -77,6 +77,7 @@ class Sequence:
     reserved_slots: list[int] = field(default_factory=list)  # slots kept for the forks
     pending_row: int = -1           # row of the in-flight step that samples token_ids[-1]
     num_pending: int = 0            # PENDING placeholders in token_ids
+    steady_until: int = 0           # token count up to which decodes skip the scheduler's checks
     # outputs
     logprobs: list[float] | None = None
     sampled_ranks: list[int] | None = None
@@ -84,6 +85,8 @@ class Sequence:
     # [n, kout], shared by the sequences of one step: no copy per sequence)
     top_rows: list[int] | None = None
     top_blocks: list[tuple[Any, Any]] | None = None
+    # steps recorded but not yet in the lists above (actors.engine.logprob_rows)
+    logprob_runs: list[tuple[Any, int, int]] | None = None
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None

@@ -50,7 +50,8 @@ class StepTimer:
         def launch(sched: Any, prev: Any) -> Any:
             self._count_wait()
             self.begin_step(sched.num_tokens, len(sched.seqs))
-            inputs = executor.runner.prepare(sched)
+            inputs = executor.runner.prepare(
+                sched, prev.sample_seqs if prev is not None else None)
             self.mark("gpu_start")
             step, hidden = executor.forward(sched, inputs, prev)
             if sched.sample_seqs:

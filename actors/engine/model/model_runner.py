@@ -25,11 +25,12 @@ from actors.engine.model.attention import (
     StepContext,
 )
 from actors.engine.model.block_table import BlockTableMirror
+from actors.engine.model.decode_rows import DecodeRows
 from actors.engine.model.kv_cache import KVCache
 from actors.engine.model.loader import LoadedModel
 from actors.engine.model.staging import Staging
 from actors.engine.scheduler import SchedulerOutput
-from actors.engine.sequence import PENDING
+from actors.engine.sequence import PENDING, Sequence
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.staging = Staging(self.device)
         self.set_backend(backend)
         self.tables = BlockTableMirror(max_num_seqs, -(-max_model_len // self.block_size))
+        self.rows = DecodeRows()  # the last prepared step's sample rows
         self.graphs = None  # actors.engine.model.cuda_graphs.DecodeGraphs once captured
         self.fused = fused  # actors.engine.model.fused_layers.FusedLayers installed in the model, or None
         self.moe = None  # actors.engine.model.moe.FusedMoE installed in the model, or None
@@ -92,32 +94,55 @@ class ModelRunner:
             backend.upload = self.staging.upload
 
     # ------------------------------------------------------------------ host side
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Packs the scheduled chunks (numpy; no device work)."""
+    def prepare(self, sched: SchedulerOutput, inflight: list[Sequence] | None = None
+                ) -> StepInputs:
+        """Packs the scheduled chunks (numpy; no device work). ``inflight``: the sample rows
+        of the step still in flight (``InflightStep.sample_seqs``), if any: a step that
+        decodes exactly them reuses their row arrays (:class:`DecodeRows`)."""
         seqs = sched.seqs
         n = len(seqs)
         bs = self.block_size
-        starts = np.array(sched.starts, np.int64)
         num_tokens = sched.num_tokens
-        if num_tokens == n:  # one token per chunk (decodes)
-            input_ids = np.array([s.token_ids[b] for s, b in zip(seqs, sched.starts)], np.int64)
+        rows = self.rows
+        if rows.continues(seqs, num_tokens, inflight):
+            # steady decoding: row i is the in-flight step's sample row i, one token each
+            starts, slots = rows.lens, rows.slots
+            input_ids = np.full(n, PENDING, np.int64)
             lens = np.ones(n, np.int64)
             cu = np.arange(n + 1, dtype=np.int64)
-            seq_of_token = np.arange(n)
+            seq_of_token = cu[:-1]
             positions = starts
+            pending_index = pending_rows = seq_of_token
         else:
-            lens = np.array(sched.num_new, np.int64)
-            cu = np.zeros(n + 1, np.int64)
-            np.cumsum(lens, out=cu[1:])
-            input_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    s.token_ids[b:b + m] for s, b, m in zip(seqs, sched.starts, sched.num_new)),
-                np.int64, num_tokens)
-            seq_of_token = np.repeat(np.arange(n), lens)
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
+            starts = np.array(sched.starts, np.int64)
+            if num_tokens == n:  # one token per chunk (decodes)
+                input_ids = np.array([s.token_ids[b] for s, b in zip(seqs, sched.starts)],
+                                     np.int64)
+                lens = np.ones(n, np.int64)
+                cu = np.arange(n + 1, dtype=np.int64)
+                seq_of_token = cu[:-1]
+                positions = starts
+            else:
+                lens = np.array(sched.num_new, np.int64)
+                cu = np.zeros(n + 1, np.int64)
+                np.cumsum(lens, out=cu[1:])
+                input_ids = np.fromiter(
+                    itertools.chain.from_iterable(
+                        s.token_ids[b:b + m]
+                        for s, b, m in zip(seqs, sched.starts, sched.num_new)),
+                    np.int64, num_tokens)
+                seq_of_token = np.repeat(np.arange(n), lens)
+                positions = (np.arange(num_tokens, dtype=np.int64)
+                             + np.repeat(starts - cu[:-1], lens))
+            slots = np.array([s.slot for s in seqs], np.int64)
+            pending_index = np.flatnonzero(input_ids == PENDING)
+            if len(pending_index):  # only a chunk's last token can be pending
+                rows_of = np.array([s.pending_row for s in seqs], np.int64)
+                pending_rows = rows_of[seq_of_token[pending_index]]
+                assert (pending_rows >= 0).all(), "a pending input has no row to gather from"
+            else:
+                pending_rows = _EMPTY
         seq_lens = starts + lens
-        slot_list = [s.slot for s in seqs]
-        slots = np.array(slot_list, np.int64)
         # only sequences admitted, forked or given pages since their last step can have a
         # new slot or table (the scheduler lists them); every other row is up to date
         changed = sched.table_seqs
@@ -126,24 +151,25 @@ class ModelRunner:
         block_tables = self.tables.gather(slots, max_blocks)
         slot_mapping = (block_tables[seq_of_token, positions // bs].astype(np.int64) * bs
                         + positions % bs)
-        pending_index = np.flatnonzero(input_ids == PENDING)
-        if len(pending_index):  # only a chunk's last token can be pending
-            rows = np.array([s.pending_row for s in seqs], np.int64)
-            pending_rows = rows[seq_of_token[pending_index]]
-            assert (pending_rows >= 0).all(), "a pending input has no row to gather from"
-        else:
-            pending_rows = _EMPTY
         last_index = cu[1:] - 1
         sample_rows, sample_inverse, sample_slots = _EMPTY, None, _EMPTY
-        if sched.sample_seqs:
-            sample_slots = np.array([s.slot for s in sched.sample_seqs], np.int64)
-            chunk_rows = np.asarray(sched.sample_chunks, np.int64)
-            if (chunk_rows[1:] > chunk_rows[:-1]).all():  # no fork this step: rows as listed
-                sample_rows = last_index[chunk_rows]
-            else:  # forked samples share their parent's row
-                unique, inverse = np.unique(chunk_rows, return_inverse=True)
-                sample_rows = last_index[unique]
-                sample_inverse = inverse.reshape(-1).astype(np.int64)
+        sample_seqs = sched.sample_seqs
+        if sample_seqs:
+            if sample_seqs == seqs:  # every chunk samples, in order (decodes): rows as listed
+                sample_rows, sample_slots, sample_lens = last_index, slots, seq_lens
+            else:
+                sample_slots = np.array([s.slot for s in sample_seqs], np.int64)
+                chunk_rows = np.asarray(sched.sample_chunks, np.int64)
+                if (chunk_rows[1:] > chunk_rows[:-1]).all():  # no fork: rows as listed
+                    sample_rows = last_index[chunk_rows]
+                else:  # forked samples share their parent's row
+                    unique, inverse = np.unique(chunk_rows, return_inverse=True)
+                    sample_rows = last_index[unique]
+                    sample_inverse = inverse.reshape(-1).astype(np.int64)
+                sample_lens = seq_lens[chunk_rows]
+            rows.record(sample_seqs, sample_slots, sample_lens)
+        else:
+            rows.record(None, _EMPTY, _EMPTY)
         return StepInputs(
             input_ids=input_ids,
             positions=positions,

@@ -55,8 +55,8 @@ def test_every_step_sees_each_sequence_s_current_block_table(tiny_llama, caching
     prepare = runner.prepare
     checked = []
 
-    def checking_prepare(sched):
-        inputs = prepare(sched)
+    def checking_prepare(sched, *args):
+        inputs = prepare(sched, *args)
         for i, seq in enumerate(sched.seqs):
             pages = seq.block_table
             row = inputs.block_tables[i]

@@ -35,15 +35,20 @@ def check(sched: Scheduler, live: list[Sequence]) -> None:
     assert len(slots) + len(sched.free_slots) == sched.max_num_seqs
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_workload_with_async_steps(seed):
+def simulate(seed: int, steady: bool = True) -> list[tuple]:
+    """Drives a random workload to its end; returns each step's schedule (sequence ids,
+    starts, lengths, samples, changed tables, copies, preemptions). ``steady=False`` turns
+    the scheduler's check-free decodes off (every decode takes the checked path)."""
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
     num_blocks = 48 // bs + rng.randint(1, 8)  # one max-length sequence plus a little
     sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=seed % 2 == 0),
                       max_num_seqs=rng.randint(4, 8), max_num_batched_tokens=rng.randint(8, 32),
                       max_model_len=48)
+    if not steady:
+        sched._steady_bound = lambda seq: 0
     requests, live = [], []
+    trace = []
     shared = [rng.randrange(50) for _ in range(12)]
     for i in range(rng.randint(10, 16)):
         n = rng.choice([1, 1, 2, 3])
@@ -62,6 +67,11 @@ def test_random_workload_with_async_steps(seed):
     finished = 0
     for _ in range(2000):
         out = sched.schedule()
+        trace.append(([(s.request.request_id, s.sample_index) for s in out.seqs], out.starts,
+                      out.num_new, [(s.request.request_id, s.sample_index)
+                                    for s in out.sample_seqs], out.sample_chunks,
+                      [(s.request.request_id, s.sample_index) for s in out.table_seqs],
+                      out.copies, [s.request.request_id for s in out.preempted]))
         live += [s for s in out.admitted if s not in live]
         launched = []
         for row, seq in enumerate(out.sample_seqs):
@@ -88,3 +98,14 @@ def test_random_workload_with_async_steps(seed):
     assert finished == sum(r.params.n for r in requests)
     assert sched.bm.num_free_blocks == sched.bm.num_blocks
     assert sched.stats.num_preemptions > 0  # the pool was tight enough to matter
+    return trace
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_with_async_steps(seed):
+    simulate(seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_check_free_decodes_schedule_what_the_checks_would(seed):
+    assert simulate(seed) == simulate(seed, steady=False)
