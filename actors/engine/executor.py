@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from actors.engine.model.model_runner import ModelRunner
-from actors.engine.scheduler import SchedulerOutput
+from actors.engine.scheduler_output import SchedulerOutput
 from actors.engine.sequence import PENDING, Request, Sequence
 from actors.engine.structured import StructuredOutputs
 from sampler import AsyncOutput, Sampler, SamplerOutput, compute_prompt_logprobs

@@ -29,7 +29,7 @@ from actors.engine.model.decode_rows import DecodeRows
 from actors.engine.model.kv_cache import KVCache
 from actors.engine.model.loader import LoadedModel
 from actors.engine.model.staging import Staging
-from actors.engine.scheduler import SchedulerOutput
+from actors.engine.scheduler_output import SchedulerOutput
 from actors.engine.sequence import PENDING, Sequence
 
 _EMPTY = np.zeros(0, np.int64)
