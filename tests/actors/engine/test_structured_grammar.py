@@ -35,6 +35,16 @@ def accepts(structured, so: SO, text: bytes) -> bool:
     return bool(matcher.consume_tokens(tokens) and matcher.is_accepting())
 
 
+def _request(structured, so: SO, prompt=(1,)):
+    """A request under ``so`` (compiling on ``structured``'s pool) for sequences to start."""
+    from actors.engine.sequence import Request
+    from sampler import SamplingParams
+
+    request = Request("r", list(prompt), SamplingParams(), 0, 0)
+    request.grammar = structured.submit(so)
+    return request
+
+
 SHORT = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
          "required": ["s"], "additionalProperties": False}
 
@@ -104,16 +114,13 @@ def test_compile_errors_name_the_field(structured):
 
 
 def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
-    from actors.engine.sequence import Request, Sequence
+    from actors.engine.sequence import Sequence
 
     tok = structured.tokenizer
     eos = tok.eos_token_id
-    request = Request("r", [1, 2], None, 0, 0)  # params unused here
-    request.grammar = structured.submit(SO(regex="(ab)+"))
-    seqs = [Sequence.__new__(Sequence) for _ in range(2)]
+    request = _request(structured, SO(regex="(ab)+"), prompt=[1, 2])
+    seqs = [Sequence(request, 0, [1, 2]) for _ in range(2)]
     for seq in seqs:
-        seq.request, seq.token_ids, seq.num_pending, seq.grammar = request, [1, 2], 0, None
-        seq.num_prompt = 2
         structured.start(seq)
     seqs[1].token_ids += tok.encode("ab", add_special_tokens=False)
     mask = structured.step_mask(seqs, prev_tokens=None)
@@ -131,7 +138,7 @@ def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
 
 
 def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_masks():
-    from actors.engine.sequence import Request, Sequence
+    from actors.engine.sequence import Sequence
     from actors.engine.structured import ROWS_PER_TEMPLATE
     from sampler.ops.token_bitmask import unpack_token_bitmask
     from toolkit.tiny_model import train_tokenizer
@@ -140,14 +147,11 @@ def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_ma
     n = 2 * ROWS_PER_TEMPLATE + 6
     structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
                                    device=torch.device("cpu"), max_num_seqs=n, fill_threads=3)
-    request = Request("r", [1], None, 0, 0)
-    request.grammar = structured.submit(SO(json=SHORT))
+    request = _request(structured, SO(json=SHORT))
     texts = ['{"s":"a', '{"s":', '{', '{"s":"abcde"']
     seqs = []
     for i in range(n):
-        seq = Sequence.__new__(Sequence)
-        seq.request, seq.token_ids, seq.num_pending, seq.grammar = request, [1], 0, None
-        seq.num_prompt = 1
+        seq = Sequence(request, 0, [1])
         structured.start(seq)
         seq.token_ids += tok.encode(texts[i % len(texts)], add_special_tokens=False)
         seqs.append(seq)
