@@ -10,7 +10,8 @@ only once (``num_accepted``), so preemption and recompute never lose or double a
 ``step_mask`` runs while the step's forward is on the device: it reads the previous step's
 sampled ids (the async copy), advances the matchers (one parallel llguidance call for the
 rows that take one token), fills the masks of the constrained rows in one parallel call into
-a pinned host buffer and uploads it without blocking. Library choice and measurements: docs/structured_outputs.md.
+a pinned host buffer and uploads it without blocking. Library choice and measurements:
+docs/structured_outputs.md.
 """
 
 from __future__ import annotations
