@@ -35,10 +35,16 @@ def cpu_share() -> tuple[int, str]:
             pass
         else:  # an actor that reserved no CPU counts as one, as Ray's OMP_NUM_THREADS does
             return max(1, math.floor(assigned or 1)), "the Ray worker's num_cpus"
+    return usable_cpus(), "the CPUs this process may use"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the host's CPUs where the platform
+    has no affinity)."""
     try:
-        return len(os.sched_getaffinity(0)), "the CPUs this process may use"
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1, "the host's CPUs"
+        return os.cpu_count() or 1
 
 
 def resolve_cpu_threads(device: str, cpu_threads: int | None,

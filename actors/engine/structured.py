@@ -17,7 +17,6 @@ docs/structured_outputs.md.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
+from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
@@ -135,7 +135,7 @@ class StructuredOutputs:
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.num_threads = max(1, num_threads)
-        self.fill_threads = fill_threads or max(2, min(16, len(os.sched_getaffinity(0)) - 2))
+        self.fill_threads = fill_threads or max(2, min(16, usable_cpus() - 2))
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
         self._pool: ThreadPoolExecutor | None = None
