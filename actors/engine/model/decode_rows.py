@@ -37,9 +37,8 @@ class DecodeRows:
         """Whether a step of chunks ``seqs`` (``num_tokens`` in all) decodes exactly the
         recorded rows, one token each, while the recorded step is the one in flight
         (``inflight``: its sample rows, the very list recorded, or None when no step is in
-        flight). Then row ``i``
-        of the step is the recorded row ``i``: slot ``slots[i]``, position ``lens[i]``, and
-        its input id is row ``i`` of the in-flight step's samples."""
+        flight). Then row ``i`` of the step is the recorded row ``i``: slot ``slots[i]``,
+        position ``lens[i]``, and its input id is row ``i`` of the in-flight step's samples."""
         recorded = self.seqs
         return (inflight is not None and inflight is recorded and num_tokens == len(seqs)
                 and seqs == recorded)
