@@ -143,13 +143,7 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
             layer_specs=layer_specs, max_model_len=max_model_len))
     phases.mark("attention")
     if use_graphs:
-        from actors.engine.model.cuda_graphs import DecodeGraphs, default_buckets
-
-        max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs,
-                        config.max_num_seqs)
-        graphs = DecodeGraphs(runner, default_buckets(max_batch), kv_cache.scratch_page)
-        graphs.capture(max_pages=max_batch * -(-max_model_len // bs))
-        runner.graphs = graphs
+        runner.graphs = capture_graphs(runner, config, kv_cache, max_model_len)
         phases.mark("cuda_graphs")
     scheduler = Scheduler(
         BlockManager(num_blocks, bs, config.enable_prefix_caching),
@@ -231,14 +225,20 @@ def resolve_fused_moe(config: EngineConfig, device: torch.device) -> str | None:
     return "triton"
 
 
+def capture_graphs(runner: ModelRunner, config: EngineConfig, kv_cache: KVCache,
+                   max_model_len: int):
+    """The decode graphs of ``runner`` (every rank of a replica captures the same buckets)."""
+    from actors.engine.model.cuda_graphs import DecodeGraphs, default_buckets
+
+    max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
+    graphs = DecodeGraphs(runner, default_buckets(max_batch), kv_cache.scratch_page)
+    graphs.capture(max_pages=max_batch * -(-max_model_len // config.block_size))
+    return graphs
+
+
 def resolve_cuda_graphs(config: EngineConfig, device: torch.device, backend_name: str) -> bool:
-    """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend,
-    and one rank: with tensor parallelism decode runs eagerly, docs/tensor_parallel.md)."""
-    if config.tensor_parallel_size > 1:
-        if config.cuda_graphs:
-            raise ValueError("engine.cuda_graphs: not supported with tensor_parallel_size > 1 "
-                             "yet (decode runs eagerly on every rank)")
-        return False
+    """Whether decode steps run as CUDA graphs (they need CUDA and the FlashInfer backend;
+    with tensor parallelism every rank decides alike and captures its own)."""
     missing = None if backend_name == "flashinfer" else (
         f"they need the flashinfer attention backend (attention backend is {backend_name})")
     return _cuda_feature("cuda_graphs", config.cuda_graphs, device, missing)

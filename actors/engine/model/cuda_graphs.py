@@ -6,11 +6,15 @@ attention backend's static page tables. A step of ``B <= b`` sequences uploads i
 those buffers, pads rows ``B..b-1`` (token 0 at position 0, KV written to a scratch page that
 no sequence owns, one-token attention over that page), re-plans the backend's bucket wrappers
 and replays; the LM head and the sampler run outside the graph on ``hidden[:B]``. Prefill and
-mixed steps, and decode batches above the largest bucket, run eagerly.
+mixed steps, and decode batches above the largest bucket, run eagerly. With tensor
+parallelism every rank captures the same buckets: over NCCL the all-reduces are inside the
+graph; over gloo (ranks sharing a GPU) the graph is captured in pieces between them and the
+replay runs each sum between two pieces. Rank 0 announces each replay to the other ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -55,7 +59,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(m, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((m,), scratch_page * runner.block_size,
                                        dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # per bucket: [(graph piece, tensor all-reduced after it or None)]
+        self._graphs: dict[int, list] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._plans: dict[int, object] = {}
         self._fallbacks = 0
@@ -67,24 +72,22 @@ class DecodeGraphs:
     def capture(self, max_pages: int) -> None:
         """Captures every bucket, largest first, into one shared memory pool."""
         runner, backend = self.runner, self.backend
+        comm = getattr(runner, "comm", None)  # tensor parallel: this rank's collectives
         self.max_pages = max_pages
         backend.prepare_graphs(self.max_batch, max_pages)
         t0 = time.perf_counter()
-        pool = None
+        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for b in reversed(self.buckets):
             plan = backend.graph_plan(b, self.slot_mapping[:b], self.scratch_page)
             ctx = StepContext(backend, self._dummy_metadata(b), plan)
             ids, pos = self.input_ids[:b], self.positions[:b]
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture
+            with torch.cuda.stream(stream), _alone(comm):  # warm-up outside the capture
                 runner.forward(ids, pos, ctx)
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = runner.forward(ids, pos, ctx)
-            pool = graph.pool()
-            self._graphs[b], self._outputs[b], self._plans[b] = graph, out, plan
+            pieces, out = _capture(lambda: runner.forward(ids, pos, ctx), pool, comm)
+            self._graphs[b], self._outputs[b], self._plans[b] = pieces, out, plan
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs (batch %d..%d) in %.1f s", len(self.buckets),
                     self.buckets[0], self.max_batch, time.perf_counter() - t0)
@@ -144,6 +147,48 @@ class DecodeGraphs:
         runner.staging.end_uploads()
         if index is not None:
             self.input_ids.index_copy_(0, index, prev_token_ids.index_select(0, rows))
-        self._graphs[b].replay()
+        runner.announce_replay(self.input_ids[:n], inputs)
+        comm = getattr(runner, "comm", None)
+        for graph, reduce in self._graphs[b]:
+            graph.replay()
+            if reduce is not None:  # a gloo all-reduce between two pieces
+                comm.all_reduce(reduce)
         self.num_replays += 1
         return self._outputs[b][:n]
+
+
+def _alone(comm):
+    """A forward of this rank alone (no collective, no message): the capture's warm-up."""
+    return comm.local() if comm is not None else contextlib.nullcontext()
+
+
+def _capture(forward, pool, comm) -> tuple[list, torch.Tensor]:
+    """``forward`` captured as ``[(graph, tensor to all-reduce after it or None)]`` and its
+    output: one graph, with the all-reduces of NCCL inside; over gloo (host collectives) a
+    piece per stretch between two all-reduces, the sums run by the replay."""
+    if comm is None or comm.graph_all_reduce:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), \
+                (comm.capture() if comm is not None else contextlib.nullcontext()):
+            out = forward()
+        return [(graph, None)], out
+    pieces: list = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool)
+
+        def split(tensor: torch.Tensor) -> None:
+            nonlocal graph
+            graph.capture_end()
+            pieces.append((graph, tensor))
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool)
+
+        with comm.capture(split):
+            out = forward()
+        graph.capture_end()
+        pieces.append((graph, None))
+    torch.cuda.current_stream().wait_stream(side)
+    return pieces, out

@@ -198,6 +198,10 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
+    def announce_replay(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Called before a decode graph replays (tensor parallelism: rank 0 tells the other
+        ranks); nothing to do on one rank."""
+
     def _upload_sampling(self, inputs: StepInputs) -> None:
         up = self.staging.upload
         self.sample_rows = up(inputs.sample_rows)

@@ -75,6 +75,8 @@ class TPComm:
         self.device = torch.device(device)
         self.backend = backend
         self.enabled = True  # False while a rank runs a local-only forward (probes)
+        self.capturing = False  # a decode CUDA graph is being captured (no messages)
+        self._split = None  # gloo capture: ends the graph piece before an all-reduce
         self.ranks_per_device = ranks_per_device if self.device.type == "cuda" else 1
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -87,10 +89,30 @@ class TPComm:
 
     # ------------------------------------------------------------------ forward
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums ``tensor`` over the ranks in place (a no-op while disabled)."""
-        if self.enabled:
+        """Sums ``tensor`` over the ranks in place (a no-op while disabled; while a gloo
+        capture runs, the graph piece ends here and the sum runs between replays)."""
+        if self._split is not None:
+            self._split(tensor)
+        elif self.enabled:
             self.group.allreduce([tensor]).wait()
         return tensor
+
+    @property
+    def graph_all_reduce(self) -> bool:
+        """Whether an all-reduce can be captured inside a CUDA graph (NCCL); gloo's runs on
+        the host, so a decode graph over gloo is captured in pieces between all-reduces."""
+        return self.backend == "nccl"
+
+    @contextlib.contextmanager
+    def capture(self, split=None) -> Iterator[None]:
+        """Forwards inside are captured into a CUDA graph: rank 0 sends no step, and each
+        all-reduce is captured (NCCL) or calls ``split(tensor)`` (gloo: the capture's piece
+        ends there, and the replay sums ``tensor`` before the next piece)."""
+        self.capturing, self._split = True, split
+        try:
+            yield
+        finally:
+            self.capturing, self._split = False, None
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on each), in rank order."""

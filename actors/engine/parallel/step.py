@@ -27,20 +27,30 @@ from actors.engine.model.model_runner import ModelRunner, StepInputs
 from actors.engine.parallel.comm import OP_LOGITS, OP_STEP, TPComm
 
 _NO_COPIES = np.zeros((0, 2), np.int64)
+_EMPTY = np.zeros(0, np.int64)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def send_step(comm: TPComm, input_ids: torch.Tensor, positions: torch.Tensor,
-              metadata: AttentionMetadata, copies: np.ndarray) -> None:
-    """Rank 0: broadcasts one step's forward inputs."""
-    num_blocks = metadata.block_tables.shape[1]
-    parts = [input_ids, positions, metadata.slot_mapping, metadata.query_start_loc,
-             metadata.seq_lens, metadata.block_tables.reshape(-1),
-             torch.from_numpy(np.ascontiguousarray(copies.reshape(-1)))]
-    packed = torch.cat([p.to(comm.device, torch.int64) for p in parts])
-    comm.send_header(OP_STEP, metadata.num_tokens, metadata.num_seqs, num_blocks,
-                     metadata.max_query_len, metadata.max_seq_len, len(copies))
+def send_step(comm: TPComm, input_ids: torch.Tensor, positions, slot_mapping,
+              query_start_loc, seq_lens, block_tables, max_query_len: int, max_seq_len: int,
+              copies: np.ndarray) -> None:
+    """Rank 0: broadcasts one step's forward inputs (tensors or host arrays)."""
+    parts = [input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+             np.ascontiguousarray(copies.reshape(-1))]
+    parts = [torch.as_tensor(p) if isinstance(p, np.ndarray) else p for p in parts]
+    num_blocks = parts[5].shape[1]
+    packed = torch.cat([p.reshape(-1).to(comm.device, torch.int64) for p in parts])
+    comm.send_header(OP_STEP, parts[0].shape[0], parts[4].shape[0], num_blocks,
+                     max_query_len, max_seq_len, len(copies))
     comm.broadcast(packed)
+
+
+def send_graph_step(comm: TPComm, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+    """Rank 0: a decode step that replays its graph (``input_ids``: the step's ids on the
+    device, pending ones filled in)."""
+    send_step(comm, input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
+              inputs.seq_lens, inputs.block_tables, inputs.max_query_len, inputs.max_seq_len,
+              inputs.copies)
 
 
 def recv_step(comm: TPComm, header: list[int], device: torch.device, block_size: int
@@ -92,10 +102,16 @@ class TPModelRunner(ModelRunner):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
-        if self.comm.enabled:
-            send_step(self.comm, input_ids, positions, ctx.metadata,
+        if self.comm.enabled and not self.comm.capturing:
+            m = ctx.metadata
+            send_step(self.comm, input_ids, positions, m.slot_mapping, m.query_start_loc,
+                      m.seq_lens, m.block_tables, m.max_query_len, m.max_seq_len,
                       getattr(self, "_copies", _NO_COPIES))
         return super().forward(input_ids, positions, ctx)
+
+    def announce_replay(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Called by the decode graphs before a replay: the other ranks replay theirs."""
+        send_graph_step(self.comm, input_ids, inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.comm.enabled:
@@ -105,13 +121,32 @@ class TPModelRunner(ModelRunner):
 
 
 def run_worker_step(runner: ModelRunner, comm: TPComm, header: list[int]) -> None:
-    """Ranks > 0: runs the announced step's forward on this shard, then its page copies."""
+    """Ranks > 0: runs the announced step's forward on this shard (a decode step in this
+    rank's CUDA graph when it has one for the batch), then its page copies."""
     ids, positions, metadata, copies = recv_step(comm, header, runner.device,
                                                  runner.block_size)
-    backend = runner.backend
     runner.staging.begin_uploads()
+    graphs = runner.graphs
+    if graphs is not None and metadata.max_query_len == 1 \
+            and metadata.num_seqs <= graphs.max_batch:
+        inputs = StepInputs(
+            input_ids=ids.cpu().numpy(), positions=positions.cpu().numpy(),
+            query_start_loc=metadata.query_start_loc_host, seq_lens=metadata.seq_lens_host,
+            block_tables=metadata.block_tables_host,
+            slot_mapping=metadata.slot_mapping.cpu().numpy(), pending_index=_EMPTY,
+            pending_rows=_EMPTY, last_index=_EMPTY, copies=_NO_COPIES,
+            max_query_len=1, max_seq_len=metadata.max_seq_len)
+        if graphs.run(runner, inputs, None) is not None:
+            _copy_pages(runner, copies)
+            return
+        runner.staging.begin_uploads()
+    backend = runner.backend
     ctx = StepContext(backend, metadata, backend.plan(metadata))
     runner.staging.end_uploads()
     runner.forward(ids, positions, ctx)
+    _copy_pages(runner, copies)
+
+
+def _copy_pages(runner: ModelRunner, copies: torch.Tensor) -> None:
     if len(copies):
         runner.kv_cache.copy_blocks(copies[:, 0], copies[:, 1])

@@ -47,7 +47,9 @@ class WorkerRank:
 
     def __init__(self, model: str, config: Any, comm: TPComm):
         from actors.engine.builder import (
+            capture_graphs,
             make_kv_cache,
+            resolve_cuda_graphs,
             probe_attention_layers,
             resolve_fused_layers,
             resolve_fused_projections,
@@ -77,20 +79,26 @@ class WorkerRank:
             return
         assert header[0] == OP_SIZES, f"expected the pool sizes, got op {header[0]}"
         num_blocks, max_model_len = header[1], header[2]
-        kv_cache = make_kv_cache(loaded, num_blocks, config.block_size, device)
+        name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
+                                    loaded.head_dim, value_dim=loaded.value_dim,
+                                    layer_specs=loaded.layer_specs)
+        use_graphs = resolve_cuda_graphs(config, device, name)  # as rank 0 decides
+        kv_cache = make_kv_cache(loaded, num_blocks, config.block_size, device,
+                                 num_scratch_blocks=1 if use_graphs else 0)
         reference = TorchAttentionBackend(kv_cache, loaded.num_heads, loaded.num_kv_heads,
                                           loaded.head_dim)
         runner = ModelRunner(loaded, kv_cache, reference, max_num_seqs=config.max_num_seqs,
                              max_model_len=max_model_len, fused=fused)
+        runner.comm = comm  # its decode graphs capture around this rank's collectives
         with comm.local():
             layer_specs = probe_attention_layers(runner)
-        name = resolve_backend_name(config.attention_backend, device, loaded.dtype,
-                                    loaded.head_dim)
         if name != "torch":
             runner.set_backend(get_attention_backend(
                 name, kv_cache, num_heads=loaded.num_heads, num_kv_heads=loaded.num_kv_heads,
                 head_dim=loaded.head_dim, layer_specs=layer_specs,
                 max_model_len=max_model_len))
+        if use_graphs:
+            runner.graphs = capture_graphs(runner, config, kv_cache, max_model_len)
         self.runner = runner
         self.weights = WeightLoader(loaded.model, slices)
         self.memory = SleepController(kv_cache, self.weights, runner)
