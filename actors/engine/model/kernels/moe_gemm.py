@@ -214,10 +214,13 @@ class TileConfig:
 #: (max pairs per expert, tiles), first match. Decode batches get one or two row blocks per
 #: expert, so each expert's weights are read about once; the gate/up GEMM holds two
 #: accumulators (gate and up) of ``block_m x block_n``. Prefill takes 128-row blocks, grouped
-#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2.
+#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2. The
+#: decode rows are the fastest of a sweep on an H200 (Qwen3-30B-A3B's experts, one layer at
+#: 512 and 1,024 rows: docs/benchmarks.md, MoE).
 _CONFIGS: tuple[tuple[int | None, TileConfig], ...] = (
     (12, TileConfig(16, 8, (64, 128, 4, 4), (128, 128, 4, 4))),
-    (64, TileConfig(64, 8, (64, 128, 4, 3), (128, 128, 4, 3))),
+    (48, TileConfig(64, 8, (128, 64, 4, 4), (128, 128, 4, 3))),
+    (64, TileConfig(64, 4, (64, 128, 4, 4), (128, 128, 4, 3))),
     (None, TileConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 4))),
 )
 
