@@ -1,10 +1,16 @@
 """``quantization: fp8`` on a CUDA GPU of compute capability >= 8.9 (FlashInfer attention,
 CUDA-graph decode, the fused FP8 norm / SiLU kernels).
 
-Run with ``pytest -m gpu tests/actors/engine/test_gpu_fp8.py`` on a Hopper machine. Reference:
-the HF model (eager attention, bf16) with the same ``Fp8Linear`` layers (each quantizing its own
-input with the standalone kernel): the engine's logits must be as close to it as the bf16
-engine's are to HF's bf16 forward (twice that error, as test_gpu_engine.py allows).
+Run with ``pytest -m gpu tests/actors/engine/test_gpu_fp8.py`` on a Hopper machine.
+
+Accuracy: both the engine and the straightforward reference (the HF model in bf16, eager
+attention, with the same ``Fp8Linear`` layers, each quantizing its own input with the
+standalone kernel) approximate one ideal FP8 model: the same e4m3 weights and per-channel
+scales, every projection input quantized per token, everything else in float32
+(``_ideal_fp8``). The engine must be about as close to it as the reference is: mean and 90th
+percentile |prompt logprob difference| within 1.25x / 2x the reference's (+ 0.01). A bound on
+the largest difference alone would be ill-posed: an activation that lands next to an e4m3
+rounding boundary flips with any bf16 difference upstream, a 6% step of that element.
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ import pytest
 import torch
 
 from actors.engine.llm_engine import Engine
-from actors.engine.model.quantization.fp8_math import quantize_weight_torch
+from actors.engine.model.quantization.fp8_math import (
+    dequantize_rows,
+    quantize_rows_torch,
+    quantize_weight_torch,
+)
 from actors.engine.model.quantization.fp8_model import quantize_decoder
 from sampler import SamplingParams
 from tests.actors.helpers import random_prompts
@@ -60,6 +70,46 @@ def _hf_logprobs(model, prompt: list[int]) -> torch.Tensor:
     return logp.gather(1, ids[0, 1:, None])[:, 0].cpu()
 
 
+class _IdealFp8Linear(torch.nn.Module):
+    """A projection of the ideal FP8 model: float32 products of the per-token quantized input
+    and the layer's e4m3 weight with its scales."""
+
+    def __init__(self, layer) -> None:
+        super().__init__()
+        self.weight = layer.dequantized_weight()
+        self.bias = None if layer.bias is None else layer.bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_rows_torch(x.reshape(-1, x.shape[-1]))
+        y = dequantize_rows(q, scale) @ self.weight.t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+def _ideal_fp8(path: str, quantized: torch.nn.Module) -> torch.nn.Module:
+    """The HF model in float32 (its bf16-rounded weights) with ``quantized``'s FP8 layers as
+    :class:`_IdealFp8Linear`."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
+    model = model.float().cuda().eval().requires_grad_(False)
+    layers = dict(quantized.named_modules())
+    for name, module in list(model.named_modules()):
+        for attr, child in list(module.named_children()):
+            full = f"{name}.{attr}" if name else attr
+            if isinstance(layers.get(full), Fp8Linear):
+                setattr(module, attr, _IdealFp8Linear(layers[full]))
+    return model
+
+
+def _errors(ours: list[torch.Tensor], model, full: list[list[int]]) -> torch.Tensor:
+    return torch.cat([(a - _hf_logprobs(model, s)).abs() for a, s in zip(ours, full)])
+
+
 def test_the_fp8_engine_runs_fused_and_graphed_and_matches_its_reference(gpu_model):
     fp8 = Engine(gpu_model, {**OPTIONS, "quantization": "fp8"})
     info = fp8.info()
@@ -74,13 +124,18 @@ def test_the_fp8_engine_runs_fused_and_graphed_and_matches_its_reference(gpu_mod
     ours = _prompt_logprobs(fp8, full)
     bf16 = Engine(gpu_model, OPTIONS)
     base = _prompt_logprobs(bf16, full)
-    ref8, ref16 = _hf(gpu_model, fp8=True), _hf(gpu_model, fp8=False)
-    err8 = max(float((a - _hf_logprobs(ref8, s)).abs().max()) for a, s in zip(ours, full))
-    err16 = max(float((b - _hf_logprobs(ref16, s)).abs().max()) for b, s in zip(base, full))
+    reference = _hf(gpu_model, fp8=True)
+    ideal = _ideal_fp8(gpu_model, reference)
+    ref_logprobs = [_hf_logprobs(reference, s) for s in full]
+    engine_err, ref_err = _errors(ours, ideal, full), _errors(ref_logprobs, ideal, full)
     drift = torch.cat([a - b for a, b in zip(ours, base)]).abs()
-    print(f"fp8 engine vs HF fp8 {err8:.3g}, bf16 engine vs HF bf16 {err16:.3g}, "
-          f"fp8 vs bf16 mean {drift.mean():.3g} max {drift.max():.3g}")
-    assert err8 <= 2 * err16 + 0.05
+    stats = {name: (float(e.mean()), float(e.quantile(0.9)), float(e.max()))
+             for name, e in (("engine", engine_err), ("reference", ref_err))}
+    print(f"against the ideal FP8 model, mean / p90 / max: {stats}; "
+          f"fp8 vs bf16 engine mean {drift.mean():.3g} max {drift.max():.3g}")
+    (mean, p90, _), (ref_mean, ref_p90, _) = stats["engine"], stats["reference"]
+    assert mean <= 1.25 * ref_mean + 0.01, stats
+    assert p90 <= 2 * ref_p90 + 0.01, stats
 
 
 def test_update_weights_requantizes_on_the_gpu(gpu_model, tiny_model_factory):
