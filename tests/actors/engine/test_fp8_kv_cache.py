@@ -193,3 +193,23 @@ def test_sleep_and_wake_up_restore_an_fp8_pool(tiny_llama, prompts):
     after = _greedy(engine, prompts)
     assert {k: o.output_token_ids for k, o in after.items()} == \
         {k: o.output_token_ids for k, o in before.items()}
+
+
+def test_two_ranks_with_fp8_pools_match_one_and_sleep_on_every_rank(tiny_llama):
+    """Each tensor-parallel rank keeps its KV heads in its own FP8 pool (a rank with an fp32
+    pool would drift by ~0.1 nats from the one-rank FP8 engine, far past 1e-5)."""
+    from actors.engine.llm_engine import Engine
+    from tests.actors.engine.parallel.test_tensor_parallel import CONFIG, _compare, _requests
+
+    one = Engine(tiny_llama, {**CONFIG, **FP8})
+    two = Engine(tiny_llama, {**CONFIG, **FP8, "tensor_parallel_size": 2})
+    try:
+        assert two.info()["kv_cache_dtype"] == "float8_e4m3fn"
+        requests = _requests(one.loaded.vocab_size)
+        reference = one.generate(requests, token_logprobs=True)
+        _compare(reference, two.generate(requests, token_logprobs=True))
+        assert two.sleep(1)["kv_cache"] == two.kv_cache.nbytes > 0
+        two.wake_up()
+        _compare(reference, two.generate(requests, token_logprobs=True))
+    finally:
+        two.close()
