@@ -121,9 +121,9 @@ class FlashInferBackend(AttentionBackend):
         self.upload: Uploader = _default_upload
         self._graph_buffers: dict[str, torch.Tensor] = {}
         self._range_host: dict[int, torch.Tensor] = {}
-        logger.info("flashinfer %s: %d layer kind(s) %s, head_dim %d, %d/%d heads",
+        logger.info("flashinfer %s: %d layer kind(s) %s, head_dim %d, %d/%d heads, KV %s",
                     getattr(flashinfer, "__version__", "?"), len(self.keys), self.keys,
-                    head_dim, num_heads, num_kv_heads)
+                    head_dim, num_heads, num_kv_heads, self.kv_dtype)
 
     def _prefill_kind_decode(self, key: LayerKey) -> bool:
         """Whether decode steps of ``key`` need the prefill-kind wrapper (sinks, or keys and

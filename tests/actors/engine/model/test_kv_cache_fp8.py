@@ -133,3 +133,31 @@ def test_the_kv_dtype_resolves_per_device():
         resolve_kv_dtype("fp8", torch.bfloat16, cuda)
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
         assert resolve_kv_dtype("fp8", torch.bfloat16, cuda) == E4M3
+
+
+def test_keys_wider_than_values_with_sinks_and_softcap_over_fp8_pages():
+    """MLA's two widths in one FP8 pool: each written into its slice, read back rounded."""
+    from actors.engine.model.attention.torch_backend import TorchAttentionBackend
+    from tests.actors.engine.model.test_attention_variants import _dense as variant_dense
+
+    torch.manual_seed(1)
+    dk, dv = 12, 8
+    cache = KVCache(1, 32, BS, KV_HEADS, dk, E4M3, "cpu", key_dim=dk, value_dim=dv,
+                    compute_dtype=torch.float32)
+    backend = TorchAttentionBackend(cache, HEADS, KV_HEADS, dk)
+    query_lens = [5, 1, 3]
+    tables = [[3, 7], [12], [5]]
+    keys = [torch.randn(n, KV_HEADS, dk) * 2 for n in query_lens]
+    values = [torch.randn(n, KV_HEADS, dv) for n in query_lens]
+    md = _metadata([0, 0, 0], query_lens, tables)
+    q = torch.randn(md.num_tokens, HEADS, dk)
+    sinks = torch.randn(HEADS)
+    out = backend.forward(backend.plan(md), 0, q, torch.cat(keys), torch.cat(values),
+                          scaling=0.4, softcap=2.0, sinks=sinks)
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    for s in range(3):
+        sl = slice(starts[s], starts[s + 1])
+        expected = variant_dense(q[sl], _round(keys[s]), _round(values[s]), 0.4, None, 2.0,
+                                 sinks)
+        torch.testing.assert_close(out[sl], expected, atol=1e-5, rtol=1e-5)
+    assert cache.layer(0)[:, 1, ..., dv:].float().abs().max() == 0  # value padding stays 0
