@@ -84,10 +84,6 @@ class KVCache:
         """``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` view of one layer."""
         return self.pool[layer_idx]
 
-    @property
-    def is_fp8(self) -> bool:
-        return self.pool.dtype == FP8_KV_DTYPE
-
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies pages ``src[i] -> dst[i]`` in every layer (device index tensors)."""
         if src.numel():

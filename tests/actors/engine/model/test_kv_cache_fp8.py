@@ -68,7 +68,7 @@ def test_fp8_blocks_are_half_the_bytes_and_twice_as_many_fit_one_budget():
              for dt in (torch.bfloat16, E4M3)}
     assert sized[E4M3] == 2 * sized[torch.bfloat16] == 2000
     cache = _fp8_cache(num_layers=4, num_blocks=sized[E4M3])
-    assert cache.pool.dtype == E4M3 and cache.is_fp8 and cache.nbytes == budget
+    assert cache.pool.dtype == E4M3 and cache.nbytes == budget
 
 
 def test_copy_blocks_release_and_restore_keep_the_fp8_pool():
