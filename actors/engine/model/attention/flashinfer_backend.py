@@ -142,8 +142,10 @@ class FlashInferBackend(AttentionBackend):
     def _decode_wrapper(self, key: LayerKey) -> Any:
         if self._prefill_kind_decode(key):
             return self._prefill_wrapper(key)
+        # fa2 named (what "auto" picks for bf16, and for bf16 queries over FP8 pages on 0.6.4):
+        # ``replan`` passes the fa2 module's plan arguments
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True)
+            self.workspace, "NHD", use_tensor_cores=True, backend="fa2")
 
     def _is_prefill_kind(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._fi.BatchPrefillWithPagedKVCacheWrapper)
