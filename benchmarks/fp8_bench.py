@@ -7,7 +7,9 @@ Per workload (models built on the GPU with random bf16 weights, as in e2e_bench.
 
 - throughput: the same prompts (every request at once, fixed output length, EOS ignored,
   T=0.8 / top-p 0.95) through a bf16 engine and an FP8 engine (``quantization: fp8``), output
-  tok/s of each and their ratio;
+  tok/s of each and their ratio; with ``--kv-fp8`` also a third engine, FP8 weights and an FP8
+  KV cache (``kv_cache_dtype: fp8``), with the same measures as the FP8 engine (key
+  ``fp8_kv``);
 - quality, on ``--quality-prompts`` prompts: greedy outputs of the FP8 (and fp32) engine
   against the bf16 engine's (identical outputs, mean shared prefix); and the raw logprobs the
   three engines give to the same tokens (each prompt + the bf16 engine's greedy output,
@@ -73,8 +75,9 @@ def free() -> None:
 
 
 def engine_options(n: int, model_len: int, dtype: str, quantization: str | None,
-                   args) -> dict:
-    return {"dtype": dtype, "quantization": quantization, "max_num_seqs": n,
+                   args, kv_cache_dtype: str = "auto") -> dict:
+    return {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+            "max_num_seqs": n,
             "max_num_batched_tokens": args.max_batched_tokens, "max_model_len": model_len,
             "enable_prefix_caching": False, "gpu_memory_utilization": args.memory}
 
@@ -204,25 +207,29 @@ def update_seconds(engine, weights: dict[str, torch.Tensor]) -> dict:
 
 def run_engine(path: Path, n: int, model_len: int, dtype: str, quantization: str | None,
                prompts: np.ndarray, quality: np.ndarray, out: int, quality_out: int,
-               reference: list[list[int]] | None, weights, args) -> dict:
+               reference: list[list[int]] | None, weights, args,
+               kv_cache_dtype: str = "auto") -> dict:
     """One engine: throughput (bf16 / FP8 only), greedy outputs and scores of the reference
     sequences (the bf16 engine's greedy outputs, its own when ``reference`` is None)."""
     from actors.engine.llm_engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(str(path), engine_options(n, model_len, dtype, quantization, args))
-    result = {"load_s": time.perf_counter() - t0, "quantization": engine.info()["quantization"],
-              "cuda_graphs": engine.info()["cuda_graphs"],
-              "attention_backend": engine.info()["attention_backend"]}
+    engine = Engine(str(path), engine_options(n, model_len, dtype, quantization, args,
+                                              kv_cache_dtype))
+    info = engine.info()
+    result = {"load_s": time.perf_counter() - t0, "quantization": info["quantization"],
+              "cuda_graphs": info["cuda_graphs"], "attention_backend": info["attention_backend"],
+              "kv_cache_dtype": info["kv_cache_dtype"], "num_kv_blocks": info["num_kv_blocks"]}
+    label = f"{dtype} {quantization} kv {info['kv_cache_dtype']}"
     if dtype != "float32":
         result["throughput"] = throughput(engine, prompts, out)
-        log(f"{dtype} {quantization}: {result['throughput']['output_tok_s']:.0f} output tok/s")
+        log(f"{label}: {result['throughput']['output_tok_s']:.0f} output tok/s")
     result["greedy"] = greedy(engine, quality, quality_out)
     sequences = [p.tolist() + g for p, g in zip(quality, reference or result["greedy"])]
     result["scores"] = score(engine, sequences, quality_out)
     if weights is not None:
         result["update_weights"] = update_seconds(engine, weights)
-        log(f"{dtype} {quantization}: update_weights {result['update_weights']['seconds']:.2f} s")
+        log(f"{label}: update_weights {result['update_weights']['seconds']:.2f} s")
     del engine
     free()
     return result
@@ -258,6 +265,11 @@ def bench(name: str, args) -> dict:
         log(f"{name}: fp8 engine")
         fp8 = run_engine(dtype=bf16, quantization="fp8", reference=reference, weights=weights,
                          **common)
+        fp8_kv = None
+        if args.kv_fp8:
+            log(f"{name}: fp8 engine with an fp8 KV cache")
+            fp8_kv = run_engine(dtype=bf16, quantization="fp8", reference=reference,
+                                weights=None, kv_cache_dtype="fp8", **common)
         fp32 = None
         if not args.no_fp32:
             log(f"{name}: fp32 reference engine")
@@ -272,6 +284,12 @@ def bench(name: str, args) -> dict:
                           / base["throughput"]["output_tok_s"]),
               "greedy_fp8_vs_bf16": agreement(fp8["greedy"], reference),
               "logprob_fp8_vs_bf16": drift(fp8["scores"], base["scores"])}
+    if fp8_kv is not None:
+        result["fp8_kv"] = {k: v for k, v in fp8_kv.items() if k not in ("greedy", "scores")}
+        result["speedup_fp8_kv"] = (fp8_kv["throughput"]["output_tok_s"]
+                                    / base["throughput"]["output_tok_s"])
+        result["greedy_fp8_kv_vs_bf16"] = agreement(fp8_kv["greedy"], reference)
+        result["logprob_fp8_kv_vs_bf16"] = drift(fp8_kv["scores"], base["scores"])
     if fp32 is not None:
         result["greedy_fp32_vs_bf16"] = agreement(fp32["greedy"], reference)
         result["logprob_bf16_vs_fp32"] = drift(base["scores"], fp32["scores"])
@@ -291,6 +309,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="greedy output tokens per quality prompt (at most the output length)")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 reference engine")
     p.add_argument("--skip-update", action="store_true", help="skip the update_weights timing")
+    p.add_argument("--kv-fp8", action="store_true",
+                   help="also run FP8 weights with an FP8 KV cache (kv_cache_dtype: fp8)")
     p.add_argument("--max-batched-tokens", type=int, default=32768)
     p.add_argument("--memory", type=float, default=0.85, help="gpu_memory_utilization")
     p.add_argument("--tmp", default=None, help="where models are saved (a temp dir inside)")
@@ -307,16 +327,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (out / "fp8_bench.json").write_text(json.dumps(
             {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
              "torch": torch.__version__, "results": results}, indent=1))
-    print(f"\n{'workload':16} {'bf16 tok/s':>10} {'fp8 tok/s':>10} {'ratio':>6} "
-          f"{'greedy same':>11} {'|fp8-bf16| mean/max':>20} {'|bf16-fp32| mean/max':>21}")
+    print(f"\n{'workload':16} {'engine':7} {'tok/s':>8} {'ratio':>6} {'decode ms':>9} "
+          f"{'greedy same':>11} {'|x-bf16| mean/max':>20} {'|bf16-fp32| mean/max':>21}")
     for r in results:
-        g, d = r["greedy_fp8_vs_bf16"], r["logprob_fp8_vs_bf16"]
         ref = r.get("logprob_bf16_vs_fp32")
-        print(f"{r['workload']:16} {r['bf16']['throughput']['output_tok_s']:10.0f} "
-              f"{r['fp8']['throughput']['output_tok_s']:10.0f} {r['speedup']:6.2f} "
-              f"{g['identical']:>5}/{g['num_prompts']:<5} "
-              f"{d['mean_abs']:9.4f}/{d['max_abs']:<9.4f} "
-              + (f"{ref['mean_abs']:10.4f}/{ref['max_abs']:<9.4f}" if ref else ""))
+        rows = [("bf16", r["bf16"], 1.0, None, None),
+                ("fp8", r["fp8"], r["speedup"], r["greedy_fp8_vs_bf16"],
+                 r["logprob_fp8_vs_bf16"])]
+        if "fp8_kv" in r:
+            rows.append(("fp8+kv", r["fp8_kv"], r["speedup_fp8_kv"],
+                         r["greedy_fp8_kv_vs_bf16"], r["logprob_fp8_kv_vs_bf16"]))
+        for side, values, ratio, g, d in rows:
+            t = values["throughput"]
+            decode = t.get("ms_per_decode_step")
+            print(f"{r['workload']:16} {side:7} {t['output_tok_s']:8.0f} {ratio:6.2f} "
+                  + (f"{decode:9.2f} " if decode is not None else f"{'-':>9} ")
+                  + (f"{g['identical']:>5}/{g['num_prompts']:<5} "
+                     f"{d['mean_abs']:9.4f}/{d['max_abs']:<9.4f} " if g else f"{'':33} ")
+                  + (f"{ref['mean_abs']:10.4f}/{ref['max_abs']:<9.4f}"
+                     if ref and side == "bf16" else ""))
     return results
 
 

@@ -106,7 +106,7 @@ def build_engine_parts(model: str, config: EngineConfig, comm=None) -> EnginePar
             reserved += _CUDA_WORKSPACE_RESERVE
         num_blocks = compute_num_blocks(
             per_block=bytes_per_block(loaded.num_layers, bs, loaded.num_kv_heads,
-                                      pool_head_dim(loaded), loaded.dtype),
+                                      pool_head_dim(loaded), loaded.kv_dtype or loaded.dtype),
             device=device, block_size=bs, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, reserved=reserved)
@@ -172,11 +172,12 @@ def pool_head_dim(loaded: LoadedModel) -> int:
 
 def make_kv_cache(loaded: LoadedModel, num_blocks: int, block_size: int,
                   device: torch.device, num_scratch_blocks: int = 0) -> KVCache:
-    """The KV pool shaped from the probed attention (kv heads, key and value widths)."""
+    """The KV pool shaped from the probed attention (kv heads, key and value widths), in
+    ``loaded.kv_dtype`` (``kv_cache_dtype``)."""
     return KVCache(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads,
-                   pool_head_dim(loaded), loaded.dtype, device,
+                   pool_head_dim(loaded), loaded.kv_dtype or loaded.dtype, device,
                    num_scratch_blocks=num_scratch_blocks, key_dim=loaded.head_dim,
-                   value_dim=loaded.value_dim or loaded.head_dim)
+                   value_dim=loaded.value_dim or loaded.head_dim, compute_dtype=loaded.dtype)
 
 
 def _cuda_feature(name: str, wanted: bool | None, device: torch.device,

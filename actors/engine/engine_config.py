@@ -17,6 +17,8 @@ _ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 _SAMPLER_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 Quantization = Literal["fp8"]
 _QUANTIZATIONS = (None, "fp8")
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _fail(name: str, rule: str, value: Any) -> ValueError:
@@ -28,7 +30,8 @@ class EngineConfig:
     """Settings of one engine.
 
     Args:
-        dtype: model and KV dtype; "auto" is bfloat16 on CUDA and float32 on CPU.
+        dtype: model dtype (and the KV pool's with ``kv_cache_dtype`` "auto"); "auto" is
+            bfloat16 on CUDA and float32 on CPU.
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:<i>".
         max_model_len: longest sequence (prompt + output); None takes the model's
             ``max_position_embeddings``.
@@ -84,6 +87,12 @@ class EngineConfig:
             as it is; embeddings, norms and the LM head stay bf16. Needs a CUDA GPU of compute
             capability >= 8.9 (Hopper for speed) and bfloat16; refused elsewhere before the
             model loads. ``update_weights`` takes bf16 tensors and re-quantizes them.
+        kv_cache_dtype: "auto" (the KV pool in the model's dtype) or "fp8" (alias
+            "fp8_e4m3", stored as "fp8"): the pool is ``float8_e4m3fn``, half the bytes per
+            block (twice the blocks from the same memory); new K/V rows are clamped to +-448
+            and cast with a scale of 1.0, and attention reads them back in the model's dtype
+            (docs/fp8.md). Independent of ``quantization``. Needs, on CUDA, compute capability
+            >= 8.9 (checked when the engine starts); on CPU the torch backend runs it.
         cpu_threads: torch intra-op threads of the engine's process, set on each thread that
             runs the engine (``actors.engine.cpu_threads``); None means, on CPU, the process's
             share: a Ray actor's ``num_cpus``, else the CPUs it may use, per
@@ -116,6 +125,7 @@ class EngineConfig:
     batch_invariant: bool = False
     tensor_parallel_size: int = 1
     quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDType = "auto"
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -163,6 +173,12 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             raise _fail("dtype", "must be bfloat16 (or auto) with quantization 'fp8'",
                         self.dtype)
+        if not isinstance(self.kv_cache_dtype, str) \
+                or self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise _fail("kv_cache_dtype", "must be 'auto', 'fp8' or 'fp8_e4m3'",
+                        self.kv_cache_dtype)
+        if self.kv_cache_dtype == "fp8_e4m3":
+            self.kv_cache_dtype = "fp8"
         if self.device == "auto":
             self.device = _default_device()
         if self.dtype == "auto":

@@ -491,6 +491,7 @@ class Engine:
             "architecture": self.loaded.architecture,
             "device": str(self.loaded.device),
             "dtype": str(self.loaded.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(self.kv_cache.pool.dtype).replace("torch.", ""),
             "vocab_size": self.loaded.vocab_size,
             "max_model_len": self.max_model_len,
             "num_kv_blocks": self.kv_cache.num_blocks,

@@ -16,14 +16,14 @@ def fp8_bench():
     return load_benchmark("fp8_bench")
 
 
-def test_tiny_workload_compares_fp8_bf16_and_fp32_and_writes_json(fp8_bench, tmp_path,
+def test_tiny_workload_compares_fp8_fp8_kv_bf16_and_fp32_and_writes_json(fp8_bench, tmp_path,
                                                                    monkeypatch, capsys):
     from actors.engine.model.quantization import fp8_model
 
     monkeypatch.setattr(fp8_model, "check_fp8_device", lambda device, dtype: None)
     results = fp8_bench.main(["--workloads", "tiny", "--out", str(tmp_path), "--tmp",
                               str(tmp_path), "--max-batched-tokens", "64",
-                              "--quality-tokens", "6"])
+                              "--quality-tokens", "6", "--kv-fp8"])
     saved = json.loads((tmp_path / "fp8_bench.json").read_text())
     assert saved["results"] == json.loads(json.dumps(results))
     (r,) = results
@@ -38,10 +38,19 @@ def test_tiny_workload_compares_fp8_bf16_and_fp32_and_writes_json(fp8_bench, tmp
         d = r[key]
         assert 0 <= d["mean_abs"] <= d["p99_abs"] <= d["max_abs"]
     assert r["logprob_fp8_vs_bf16"]["max_abs"] > 0  # FP8 is another model
+    kv = r["fp8_kv"]  # FP8 weights and an FP8 KV cache (--kv-fp8)
+    assert kv["kv_cache_dtype"] == "float8_e4m3fn" and r["fp8"]["kv_cache_dtype"] == "bfloat16"
+    assert kv["quantization"]["fp8_layers"] == 14 and "update_weights" not in kv
+    assert kv["throughput"]["output_tokens"] == bf16["output_tokens"]
+    assert r["speedup_fp8_kv"] == pytest.approx(kv["throughput"]["output_tok_s"]
+                                                / bf16["output_tok_s"])
+    assert 0 <= r["greedy_fp8_kv_vs_bf16"]["identical"] <= 8
+    assert r["logprob_fp8_kv_vs_bf16"]["max_abs"] > 0
     for side in ("bf16", "fp8"):
         assert r[side]["update_weights"]["seconds"] > 0
         assert r[side]["update_weights"]["num_tensors"] > 0
-    assert "tiny" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tiny" in printed and "fp8+kv" in printed
 
 
 def test_layer_kernels_times_every_piece(fp8_bench):

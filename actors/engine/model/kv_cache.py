@@ -5,6 +5,10 @@ Layer ``l`` is ``pool[l]`` of shape ``[num_blocks, 2, block_size, num_kv_heads, 
 is. When keys and values differ in width (MLA: ``key_dim`` > ``value_dim``), ``head_dim`` is the
 wider one and each layer uses the first ``key_dim`` / ``value_dim`` entries of its key / value
 rows (the rest stays zero). Which block belongs to which sequence is the block manager's business.
+
+The pool is in the model's dtype, or in ``float8_e4m3fn`` (``kv_cache_dtype: fp8``): then new
+K/V rows are clamped to +-448 (e4m3's largest finite value) and cast, with a per-tensor scale of
+1.0, and readers cast the pages back to the compute dtype (``store_rows``; docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_BYTES = 1 << 30
+#: e4m3's largest finite value: an FP8 pool's rows are clamped to +-FP8_MAX before the cast
+FP8_MAX = 448.0
+FP8_KV_DTYPE = torch.float8_e4m3fn
+#: FlashInfer's FP8 KV kernels (and e4m3 conversions) need Ada / Hopper or newer
+FP8_KV_MIN_CAPABILITY = (8, 9)
 
 
 class KVCache:
@@ -24,10 +33,11 @@ class KVCache:
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the pool's shape.
-        dtype, device: of the pages.
+        dtype, device: of the pages (``dtype`` ``float8_e4m3fn``: an FP8 pool).
         num_scratch_blocks: extra pages after the ``num_blocks`` the block manager hands out
             (CUDA-graph padding rows write their K/V to the first of them).
         key_dim, value_dim: widths of keys and values (default ``head_dim``; at most it).
+        compute_dtype: the dtype K/V arrive in and readers compute in (default ``dtype``).
     """
 
     def __init__(
@@ -43,6 +53,7 @@ class KVCache:
         *,
         key_dim: int | None = None,
         value_dim: int | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.key_dim = key_dim or head_dim
         self.value_dim = value_dim or head_dim
@@ -55,6 +66,7 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_scratch_blocks = num_scratch_blocks
+        self.compute_dtype = compute_dtype or dtype
         # zeros, not empty: padded table entries are read (and masked), never NaN garbage
         self.pool = torch.zeros(
             (num_layers, num_blocks + num_scratch_blocks, 2, block_size, num_kv_heads, head_dim),
@@ -75,7 +87,8 @@ class KVCache:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies pages ``src[i] -> dst[i]`` in every layer (device index tensors)."""
         if src.numel():
-            self.pool[:, dst] = self.pool[:, src]
+            pool = as_bytes(self.pool)
+            pool[:, dst] = pool[:, src]
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +114,49 @@ class KVCache:
         """Allocates the pages again (zeros, as at construction) on their device."""
         if self.is_released:
             self.pool = torch.zeros(self.pool.shape, dtype=self.pool.dtype, device=self.device)
+
+
+def as_bytes(pages: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes (``uint8``, same shape: torch's index kernels do not all
+    take float8); any other tensor as it is."""
+    return pages.view(torch.uint8) if pages.dtype == FP8_KV_DTYPE else pages
+
+
+def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[rows[i]] = values[i]`` in ``flat``'s dtype (``index_copy_`` along dim 0). Into an
+    FP8 pool the values are clamped to +-``FP8_MAX`` first (scale 1.0), so the cast never makes
+    NaN or inf out of a large finite value."""
+    if flat.dtype == FP8_KV_DTYPE:
+        quantized = values.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+        flat.view(torch.uint8).index_copy_(0, rows, quantized.view(torch.uint8))
+    else:
+        flat.index_copy_(0, rows, values.to(flat.dtype))
+
+
+def gather_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``pages[index]`` (advanced indexing on dim 0), FP8 pages gathered as bytes."""
+    if pages.dtype == FP8_KV_DTYPE:
+        return pages.view(torch.uint8)[index].view(FP8_KV_DTYPE)
+    return pages[index]
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's dtype for ``EngineConfig.kv_cache_dtype``: "auto" is the model's, "fp8"
+    ``float8_e4m3fn`` (on CPU through the torch backend; on CUDA from compute capability 8.9).
+    Raises ``ValueError`` naming ``engine.kv_cache_dtype`` on an older GPU."""
+    if name == "auto":
+        return model_dtype
+    if name != "fp8":
+        raise ValueError(f"engine.kv_cache_dtype: must be 'auto' or 'fp8', got {name!r}")
+    if device.type == "cuda":
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if capability < FP8_KV_MIN_CAPABILITY:
+            need = ".".join(map(str, FP8_KV_MIN_CAPABILITY))
+            raise ValueError(
+                f"engine.kv_cache_dtype: 'fp8' needs a CUDA GPU of compute capability >= "
+                f"{need} (FlashInfer's FP8 KV cache kernels; Ada, Hopper), {device} "
+                f"({torch.cuda.get_device_name(device)}) has {capability[0]}.{capability[1]}")
+    return FP8_KV_DTYPE
 
 
 def bytes_per_block(

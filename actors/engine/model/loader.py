@@ -14,6 +14,7 @@ from actors.engine.engine_config import EngineConfig
 from actors.engine.model.attention import ATTENTION_NAME, STEP_KWARG, register_attention
 from actors.engine.model.attention.base import CURRENT_STEP, LayerSpec, capture_step_kwarg
 from actors.engine.model.attention.probe import UnsupportedAttentionError, probe_layers
+from actors.engine.model.kv_cache import resolve_kv_dtype
 from actors.engine.model.lm_head import ModelHead, check_head
 from actors.engine.model.model_support import (
     UnsupportedModelError,
@@ -62,6 +63,8 @@ class LoadedModel:
     phases: dict[str, float] = field(default_factory=dict)
     # what quantization did (``quantize_decoder``'s summary), None without quantization
     quantization: dict[str, Any] | None = None
+    # the KV pool's dtype (``kv_cache_dtype``); None: ``dtype``
+    kv_dtype: torch.dtype | None = None
 
 
 class PhaseTimer:
@@ -103,6 +106,7 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         from actors.engine.model.quantization.fp8_model import check_fp8_device
 
         check_fp8_device(device, dtype)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)  # refused here too
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -197,6 +201,7 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         device=device,
         phases=phases.seconds,
         quantization=quantization,
+        kv_dtype=kv_dtype,
     )
     logger.info("loaded %s from %s: %d layers, %d/%d heads, key/value width %d/%d, vocab %d, "
                 "%s on %s (attention via %s)", name, model, loaded.num_layers, first.num_heads,

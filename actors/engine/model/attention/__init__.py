@@ -111,7 +111,8 @@ def get_attention_backend(
     ``layer_specs`` (``{layer: LayerSpec}``, from the load-time probe) and
     ``max_model_len`` are needed by FlashInfer, which plans windows and scales per step.
     """
-    chosen = resolve_backend_name(name, kv_cache.pool.device, kv_cache.pool.dtype,
+    chosen = resolve_backend_name(name, kv_cache.pool.device,
+                                  getattr(kv_cache, "compute_dtype", kv_cache.pool.dtype),
                                   getattr(kv_cache, "key_dim", head_dim),
                                   value_dim=getattr(kv_cache, "value_dim", head_dim),
                                   layer_specs=layer_specs)

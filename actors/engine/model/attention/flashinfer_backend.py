@@ -22,11 +22,14 @@ and layers whose keys and values differ in width (MLA: ``head_dim_qk`` 192, ``he
 graph buckets) use that prefill-kind wrapper too (queries of one token), since the decode
 wrapper has one head_dim and no sink variant. Soft-capping (gemma2) is ``logits_soft_cap``.
 
-New K/V rows are written with ``index_copy_`` at the step's slot mapping, then the kernel reads
-the pages (KV layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps
-it). After each wrapper's first (official) ``plan``, later plans call its compiled module's
-``plan`` directly (``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors
-with the builtin ``max`` (milliseconds at 1,000 sequences) and makes blocking copies.
+New K/V rows are written with ``index_copy_`` at the step's slot mapping (``store_rows``: an FP8
+pool's rows clamped and cast), then the kernel reads the pages (KV layout NHD:
+``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
+with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
+``k_scale`` / ``v_scale`` (the scale is 1.0). After each wrapper's first (official) ``plan``,
+later plans call its compiled module's ``plan`` directly (``flashinfer_plan.replan``): the
+official Python ``plan`` iterates over host tensors with the builtin ``max`` (milliseconds at
+1,000 sequences) and makes blocking copies.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from actors.engine.model.attention.base import AttentionBackend, LayerSpec, as_l
 from actors.engine.model.attention.csr import PagedCSR, build_csr
 from actors.engine.model.attention.flashinfer_plan import replan
 from actors.engine.model.attention.metadata import AttentionMetadata
+from actors.engine.model.kv_cache import store_rows
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +96,8 @@ class FlashInferBackend(AttentionBackend):
         import flashinfer
 
         self._fi = flashinfer
-        self.dtype = kv_cache.pool.dtype
+        self.dtype = getattr(kv_cache, "compute_dtype", kv_cache.pool.dtype)  # queries
+        self.kv_dtype = kv_cache.pool.dtype                                   # pages
         self.device = kv_cache.pool.device
         self.block_size = kv_cache.block_size
         self.key_dim = getattr(kv_cache, "key_dim", head_dim)
@@ -116,9 +121,9 @@ class FlashInferBackend(AttentionBackend):
         self.upload: Uploader = _default_upload
         self._graph_buffers: dict[str, torch.Tensor] = {}
         self._range_host: dict[int, torch.Tensor] = {}
-        logger.info("flashinfer %s: %d layer kind(s) %s, head_dim %d, %d/%d heads",
+        logger.info("flashinfer %s: %d layer kind(s) %s, head_dim %d, %d/%d heads, KV %s",
                     getattr(flashinfer, "__version__", "?"), len(self.keys), self.keys,
-                    head_dim, num_heads, num_kv_heads)
+                    head_dim, num_heads, num_kv_heads, self.kv_dtype)
 
     def _prefill_kind_decode(self, key: LayerKey) -> bool:
         """Whether decode steps of ``key`` need the prefill-kind wrapper (sinks, or keys and
@@ -129,16 +134,18 @@ class FlashInferBackend(AttentionBackend):
         if key[3]:  # attention sinks: the sink variant of the paged prefill wrapper
             return self._fi.BatchAttentionWithAttentionSinkWrapper(
                 self.workspace, "NHD", backend="fa2", q_data_type=self.dtype,
-                kv_data_type=self.dtype, head_dim_qk=self.key_dim, head_dim_vo=self.value_dim,
-                window_left=key[0])
+                kv_data_type=self.kv_dtype, head_dim_qk=self.key_dim,
+                head_dim_vo=self.value_dim, window_left=key[0])
         return self._fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                             backend="fa2")
 
     def _decode_wrapper(self, key: LayerKey) -> Any:
         if self._prefill_kind_decode(key):
             return self._prefill_wrapper(key)
+        # fa2 named (what "auto" picks for bf16, and for bf16 queries over FP8 pages on 0.6.4):
+        # ``replan`` passes the fa2 module's plan arguments
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True)
+            self.workspace, "NHD", use_tensor_cores=True, backend="fa2")
 
     def _is_prefill_kind(self, wrapper: Any) -> bool:
         return isinstance(wrapper, self._fi.BatchPrefillWithPagedKVCacheWrapper)
@@ -153,7 +160,7 @@ class FlashInferBackend(AttentionBackend):
         ``qo_host`` None: one query per row."""
         window_left, scale, softcap, sinks = key
         common = dict(window_left=window_left, sm_scale=scale, q_data_type=self.dtype,
-                      kv_data_type=self.dtype, disable_split_kv=True)
+                      kv_data_type=self.kv_dtype, disable_split_kv=True)
         if softcap:
             common["logits_soft_cap"] = softcap
         if not self._is_prefill_kind(wrapper):  # decode wrapper
@@ -209,17 +216,17 @@ class FlashInferBackend(AttentionBackend):
         dk, dv = self.key_dim, self.value_dim
         flat = pages.view(-1, self.num_kv_heads, pages.shape[-1])
         if dk == dv == pages.shape[-1]:
-            flat.index_copy_(0, plan.k_rows, key.to(flat.dtype))
-            flat.index_copy_(0, plan.v_rows, value.to(flat.dtype))
+            store_rows(flat, plan.k_rows, key)
+            store_rows(flat, plan.v_rows, value)
             kv = pages
         else:  # keys and values as two strided views of equal strides (FlashInfer checks)
-            flat[:, :, :dk].index_copy_(0, plan.k_rows, key.to(flat.dtype))
-            flat[:, :, :dv].index_copy_(0, plan.v_rows, value.to(flat.dtype))
+            store_rows(flat[:, :, :dk], plan.k_rows, key)
+            store_rows(flat[:, :, :dv], plan.v_rows, value)
             kv = (pages[:, 0, :, :, :dk], pages[:, 1, :, :, :dv])
         wrapper = plan.wrappers[layer_key]
         if layer_key[3]:  # the sink variant takes the sinks [heads] (float32) and the scale
             return wrapper.run(query.contiguous(), kv, sinks.float(), layer_key[1])
-        return wrapper.run(query.contiguous(), kv)
+        return wrapper.run(query.contiguous(), kv)  # FP8 pages: k_scale = v_scale = 1.0
 
     # ------------------------------------------------------------------ graph buckets
     def prepare_graphs(self, max_bucket: int, max_pages: int) -> None:

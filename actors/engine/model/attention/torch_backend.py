@@ -2,7 +2,8 @@
 
 Runs on any device (CPU in CI). The new tokens are scattered from the packed ``[T]`` order
 into a ``[B, max_query_len]`` grid so one SDPA call covers every sequence; no Python loop over
-sequences happens inside a layer.
+sequences happens inside a layer. An FP8 pool's pages are cast to the query's dtype after the
+gather (scale 1.0).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from actors.engine.model.attention.base import AttentionBackend
 from actors.engine.model.attention.metadata import AttentionMetadata
+from actors.engine.model.kv_cache import gather_pages, store_rows
 
 
 @dataclass(slots=True)
@@ -97,14 +99,14 @@ class TorchAttentionBackend(AttentionBackend):
         pages = cache.layer(layer_idx)                  # [N, 2, bs, Hkv, D]
         flat = pages.view(-1, self.num_kv_heads, cache.head_dim)
         if dk == dv == cache.head_dim:
-            flat.index_copy_(0, plan.k_rows, key.to(flat.dtype))
-            flat.index_copy_(0, plan.v_rows, value.to(flat.dtype))
+            store_rows(flat, plan.k_rows, key)
+            store_rows(flat, plan.v_rows, value)
         else:  # MLA: keys and values of different widths in a pool as wide as the widest
-            flat[:, :, :dk].index_copy_(0, plan.k_rows, key.to(flat.dtype))
-            flat[:, :, :dv].index_copy_(0, plan.v_rows, value.to(flat.dtype))
+            store_rows(flat[:, :, :dk], plan.k_rows, key)
+            store_rows(flat[:, :, :dv], plan.v_rows, value)
 
         num_seqs, max_q, heads = md.num_seqs, md.max_query_len, self.num_heads
-        gathered = pages[md.block_tables.long()]        # [B, MB, 2, bs, Hkv, D]
+        gathered = gather_pages(pages, md.block_tables.long())  # [B, MB, 2, bs, Hkv, D]
         k_all = gathered[:, :, 0, ..., :dk].reshape(num_seqs, -1, self.num_kv_heads, dk)
         v_all = gathered[:, :, 1, ..., :dv].reshape(num_seqs, -1, self.num_kv_heads, dv)
 
@@ -114,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_grid = query.new_zeros((num_seqs * max_q, heads, dk))
             q_grid[plan.grid_index] = query
         q_grid = q_grid.reshape(num_seqs, max_q, heads, dk).transpose(1, 2)
-        k_all = k_all.transpose(1, 2).to(query.dtype)   # [B, Hkv, max_kv, Dk]
+        k_all = k_all.transpose(1, 2).to(query.dtype)   # [B, Hkv, max_kv, Dk] (FP8: dequantized)
         v_all = v_all.transpose(1, 2).to(query.dtype)
         mask = self._mask(plan, sliding_window)
         if softcap is None and sinks is None:
