@@ -15,7 +15,8 @@ follows them (``post``: accept results, the mask copy, a clone on CPU, and the s
 library rate at the rows' final states: the fill alone over the run's own matchers, and over
 the same states held by independent matchers, by copies of one matcher, and by templates of
 ``--rows-per-template`` rows. ``mask_sha256`` digests every step's masks (equal across
-thread counts and code versions that give the same masks).
+thread counts and code versions that give the same masks); ``lane_max_over_mean``: the rows
+of the busiest fill lane over the mean (median over the steps).
 
     python benchmarks/structured_host_bench.py                       # 1024 rows, 64 steps
     python benchmarks/structured_host_bench.py --rows 256 --steps 16 --threads 2,4
@@ -126,6 +127,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
         running.append(seq)
     rng = np.random.default_rng(args.seed)
     times = {k: [] for k in PHASES}
+    balance = []  # per step: rows of the busiest fill lane over the mean
     digest = hashlib.sha256()
     prev = None  # (seqs, pending positions, tokens) of the step in flight
     finished = 0
@@ -134,6 +136,8 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
             break
         sampled = running
         spans.clear()
+        loads = np.bincount([seq.grammar.lane for seq in sampled], minlength=threads)
+        balance.append(float(loads.max() / loads.mean()))
         prev_tokens = prev[2] if prev is not None else None
         t0 = time.perf_counter()
         mask = structured.step_mask(sampled, lambda: prev_tokens)
@@ -171,6 +175,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     live = [s for s in running if s.grammar is not None]
     result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
               "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
+              "lane_max_over_mean": statistics.median(balance),
               **{k: stats(v) for k, v in times.items() if v}}
     return result, live, structured
 
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
         line = "  ".join(f"{k} {result[k]['median_ms']:.2f}/{result[k]['mean_ms']:.2f}"
                          for k in PHASES if k in result)
         print(f"threads {threads}: {result['steps']} steps, {result['live_rows']} live, "
-              f"{result['finished']} finished, masks {result['mask_sha256']}; "
+              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest lane "
+              f"{result['lane_max_over_mean']:.2f}x the mean; "
               f"ms median/mean: {line}")
         for name, r in result.get("raw_fill", {}).items():
             print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "

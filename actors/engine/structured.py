@@ -43,26 +43,33 @@ class CompiledConstraint:
     Copies of one llguidance matcher share its lexer and its caches behind a lock, so many
     rows of one constraint filled in parallel wait on each other; a constraint with many
     live sequences gets up to one template per fill thread (each compiled from ``grammar``
-    on first need, ~1 ms), and its sequences are spread over them."""
+    on first need, ~1 ms). A new sequence copies the template with the fewest live copies,
+    and a template gets a successor once it holds ``ROWS_PER_TEMPLATE`` live copies."""
 
     template: Any = None  # llguidance.LLMatcher in its initial state
     error: str | None = None
     grammar: str = ""  # the llguidance grammar text it was compiled from
     templates: list = field(default_factory=list)  # the templates after ``template``
-    num_started: int = 0  # sequences given a copy so far
+    num_live: list = field(default_factory=list)  # live copies of each template
     lanes: dict = field(default_factory=dict)  # template index: the fill lane of its copies
 
     def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
         """A fresh matcher for one more sequence and the index of its template."""
         import llguidance
 
-        index = (self.num_started // ROWS_PER_TEMPLATE) % max(1, max_templates)
-        self.num_started += 1
-        if index == 0:
-            return self.template.deep_copy(), 0
-        while len(self.templates) < index:
+        live = self.num_live or [0]
+        self.num_live = live
+        index = min(range(len(live)), key=live.__getitem__)
+        if live[index] >= ROWS_PER_TEMPLATE and len(live) < max(1, max_templates):
+            index = len(live)
+            live.append(0)
             self.templates.append(llguidance.LLMatcher(tokenizer, self.grammar, log_level=0))
-        return self.templates[index - 1].deep_copy(), index
+        live[index] += 1
+        return (self.templates[index - 1] if index else self.template).deep_copy(), index
+
+    def drop_copy(self, index: int) -> None:
+        """A copy of template ``index`` is no longer live."""
+        self.num_live[index] -= 1
 
 
 class SequenceGrammar:
@@ -216,6 +223,7 @@ class StructuredOutputs:
 
     def release(self, seq: Sequence) -> None:
         if seq.grammar is not None:
+            seq.request.grammar.result().drop_copy(seq.grammar.group)
             seq.grammar = None
             self.num_active -= 1
 
