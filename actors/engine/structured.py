@@ -8,10 +8,10 @@ request's error before any device work. Each sequence (each of n samples) gets i
 matcher (:class:`SequenceGrammar`), which accepts the sequence's output tokens in order and
 only once (``num_accepted``), so preemption and recompute never lose or double a token.
 ``step_mask`` runs while the step's forward is on the device: it reads the previous step's
-sampled ids (the async copy), advances the matchers (one parallel llguidance call for the
-rows that take one token), fills the masks of the constrained rows in one parallel call into
-a pinned host buffer and uploads it without blocking. Library choice and measurements:
-docs/structured_outputs.md.
+sampled ids (the async copy), advances the matchers and fills the masks of the constrained
+rows into a pinned host buffer, in lanes (a thread each; all copies of one matcher template
+in one lane, so no two threads share a template's lock), and uploads it without blocking.
+Library choice and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ class StructuredOutputs:
         device: where the sampler runs.
         max_num_seqs: the most rows a step samples.
         num_threads: compile threads.
-        fill_threads: threads of the parallel accept and mask fill (default: the cores this
-            process may run on less two, 2 to 16); a constraint shared by many sequences
-            gets up to this many matcher templates.
+        fill_threads: lanes (a thread each) of the accept and mask fill (default: the cores
+            this process may run on less two, 2 to 16); a constraint shared by many
+            sequences gets up to this many matcher templates.
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
