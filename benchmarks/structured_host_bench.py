@@ -98,6 +98,8 @@ def stats(values: list[float]) -> dict:
 def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     """The stepping loop at ``threads`` fill threads: per-phase times, the live rows and the
     ``StructuredOutputs``."""
+    import llguidance
+
     from actors.engine import structured as st
     from actors.engine.output_processor import OutputProcessor
     from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
@@ -108,8 +110,6 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     structured = st.StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
                                       fill_threads=threads)
-    import llguidance
-
     spans: list = []
     executor_class = llguidance.LLExecutor
     # every executor step_mask makes records its calls
@@ -131,47 +131,49 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     digest = hashlib.sha256()
     prev = None  # (seqs, pending positions, tokens) of the step in flight
     finished = 0
-    for _ in range(args.steps):
-        if not running:
-            break
-        sampled = running
-        spans.clear()
-        loads = np.bincount([seq.grammar.lane for seq in sampled], minlength=threads)
-        balance.append(float(loads.max() / loads.mean()))
-        prev_tokens = prev[2] if prev is not None else None
-        t0 = time.perf_counter()
-        mask = structured.step_mask(sampled, lambda: prev_tokens)
-        t1 = time.perf_counter()
-        a0, a1 = span(spans, ("accept",), t0)
-        f0, f1 = span(spans, ("fill",), t0)
-        p0, p1 = span(spans, ("accept", "fill"), t0)
-        times["total"].append(t1 - t0)
-        times["book"].append(p0 - t0)
-        times["accept"].append(a1 - a0)
-        times["fill"].append(f1 - f0)
-        times["par"].append(p1 - p0)
-        times["post"].append(t1 - p1)
-        bits = mask.bits.numpy()
-        digest.update(bits.tobytes())
-        tokens = draw(bits, rng)
-        pending_pos = []
-        for row, seq in enumerate(sampled):  # as the executor marks a sampled row
-            pending_pos.append(len(seq.token_ids))
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
-            seq.pending_row = row
-        if prev is not None:  # the engine processes the previous step after this launch
-            t2 = time.perf_counter()
-            done = outputs.apply_step(prev[0], prev[1], prev[2].tolist(), None, None, None,
-                                      None, None)
-            for seq in done:
-                structured.release(seq)
-                seq.status = SeqStatus.FINISHED
-            times["process"].append(time.perf_counter() - t2)
-            finished += len(done)
-            running = [s for s in sampled if s.status is not SeqStatus.FINISHED]
-        prev = (sampled, pending_pos, tokens)
-    llguidance.LLExecutor = executor_class
+    try:
+        for _ in range(args.steps):
+            if not running:
+                break
+            sampled = running
+            spans.clear()
+            loads = np.bincount([seq.grammar.lane for seq in sampled], minlength=threads)
+            balance.append(float(loads.max() / loads.mean()))
+            prev_tokens = prev[2] if prev is not None else None
+            t0 = time.perf_counter()
+            mask = structured.step_mask(sampled, lambda: prev_tokens)
+            t1 = time.perf_counter()
+            a0, a1 = span(spans, ("accept",), t0)
+            f0, f1 = span(spans, ("fill",), t0)
+            p0, p1 = span(spans, ("accept", "fill"), t0)
+            times["total"].append(t1 - t0)
+            times["book"].append(p0 - t0)
+            times["accept"].append(a1 - a0)
+            times["fill"].append(f1 - f0)
+            times["par"].append(p1 - p0)
+            times["post"].append(t1 - p1)
+            bits = mask.bits.numpy()
+            digest.update(bits.tobytes())
+            tokens = draw(bits, rng)
+            pending_pos = []
+            for row, seq in enumerate(sampled):  # as the executor marks a sampled row
+                pending_pos.append(len(seq.token_ids))
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+                seq.pending_row = row
+            if prev is not None:  # the engine processes the previous step after this launch
+                t2 = time.perf_counter()
+                done = outputs.apply_step(prev[0], prev[1], prev[2].tolist(), None, None, None,
+                                          None, None)
+                for seq in done:
+                    structured.release(seq)
+                    seq.status = SeqStatus.FINISHED
+                times["process"].append(time.perf_counter() - t2)
+                finished += len(done)
+                running = [s for s in sampled if s.status is not SeqStatus.FINISHED]
+            prev = (sampled, pending_pos, tokens)
+    finally:
+        llguidance.LLExecutor = executor_class
     live = [s for s in running if s.grammar is not None]
     result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
               "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
