@@ -137,7 +137,9 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
                 break
             sampled = running
             spans.clear()
-            loads = np.bincount([seq.grammar.lane for seq in sampled], minlength=threads)
+            # (``group`` for code before the fill lanes: its templates, one a thread at most)
+            loads = np.bincount([getattr(seq.grammar, "lane", seq.grammar.group)
+                                 for seq in sampled], minlength=threads)
             balance.append(float(loads.max() / loads.mean()))
             prev_tokens = prev[2] if prev is not None else None
             t0 = time.perf_counter()
