@@ -157,9 +157,113 @@ def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_ma
         seqs.append(seq)
     groups = [seq.grammar.group for seq in seqs]
     assert groups == [i // ROWS_PER_TEMPLATE for i in range(n)]  # three templates
+    lanes = {seq.grammar.group: seq.grammar.lane for seq in seqs}  # a template: one lane
+    assert all(seq.grammar.lane == lanes[seq.grammar.group] for seq in seqs)
+    assert sorted(lanes.values()) == [0, 1, 2]
     allowed = unpack_token_bitmask(structured.step_mask(seqs, prev_tokens=None).bits, VOCAB)
     assert all(seq.grammar.num_accepted == len(seq.token_ids) - 1 for seq in seqs)
     for i in range(len(texts), n):  # same text, any template: the same mask
         assert torch.equal(allowed[i], allowed[i % len(texts)]), i
     assert len({tuple(allowed[i].tolist()) for i in range(len(texts))}) == len(texts)
+    # a new row copies the template with the fewest live rows (32, 32, 6 live: the third;
+    # then 32, 2, 7: the second)
+    assert _start(structured, request).grammar.group == 2
+    for seq in seqs[ROWS_PER_TEMPLATE:2 * ROWS_PER_TEMPLATE - 2]:
+        structured.release(seq)
+    assert [_start(structured, request).grammar.group for _ in range(3)] == [1, 1, 1]
+    structured.close()
+
+
+def _start(structured, request):
+    from actors.engine.sequence import Sequence
+
+    seq = Sequence(request, 0, [1])
+    structured.start(seq)
+    return seq
+
+
+def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps():
+    """Rows of one shared schema (several templates and lanes) and of two other constraints
+    step as in the engine (the previous step's ids pending, or already applied, or several
+    tokens at once, a refused token now and then, rows ending and new ones starting); every
+    mask equals the one of a matcher of the row's own, fed the same tokens one at a time."""
+    import numpy as np
+
+    from actors.engine.sequence import PENDING, Sequence
+    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+    eos = tok.eos_token_id
+    n = 2 * ROWS_PER_TEMPLATE + 8
+    structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[eos],
+                                   device=torch.device("cpu"), max_num_seqs=n, fill_threads=3)
+    requests = [_request(structured, SO(json=SHORT, disable_any_whitespace=True))] * 6 + [
+        _request(structured, SO(regex="(ab|c)+[0-9]{1,3}")),
+        _request(structured, SO(choice=["yes", "no", "maybe"]))]
+    rng = np.random.default_rng(3)
+
+    def allowed(words: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+    def new_row(i: int):
+        seq = Sequence(requests[i % len(requests)], 0, [1])
+        structured.start(seq)
+        ref = seq.request.grammar.result().template.deep_copy()
+        return [seq, ref]
+
+    rows = [new_row(i) for i in range(n)]
+    started, prev, checked, refused = n, None, 0, 0
+    for step in range(300):
+        if prev is not None and step % 3 == 0:  # the previous step's ids applied already
+            for (seq, _), token in zip(prev[0], prev[1]):
+                seq.token_ids[-1] = token
+                seq.num_pending -= 1
+            prev = None
+        for seq, ref in rows:  # now and then a row takes two known tokens at once
+            if not seq.num_pending and rng.random() < 0.05:
+                for _ in range(2):
+                    mask = np.frombuffer(ref.compute_bitmask(), dtype=np.int32)
+                    token = int(rng.choice(allowed(mask)))
+                    assert ref.consume_token(token)
+                    seq.token_ids.append(token)
+        seqs = [seq for seq, _ in rows]
+        tokens = prev[1] if prev is not None else None
+        mask = structured.step_mask(seqs, lambda: np.asarray(tokens))
+        bits = mask.bits.numpy()
+        assert mask.rows.tolist() == list(range(len(rows)))
+        drawn = []
+        for j, (seq, ref) in enumerate(rows):
+            assert seq.grammar.num_accepted == len(seq.token_ids) - 1
+            assert (seq.grammar.error is None) == (not ref.is_error()), j
+            assert np.array_equal(bits[j], np.frombuffer(ref.compute_bitmask(), np.int32)), j
+            checked += 1
+            token = int(rng.choice(allowed(bits[j])))
+            if rng.random() < 0.01:
+                token = int(rng.integers(3, 512))  # maybe refused: both must agree
+            ref.consume_token(token)  # what step_mask must do with it next step
+            drawn.append(token)
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+            seq.pending_row = j
+        prev = (rows, drawn)
+        # rows that reached an end with this token, or whose refused token step_mask saw,
+        # end; new rows replace them
+        ended = [j for j, (seq, ref) in enumerate(rows)
+                 if (seq.grammar.error is not None if ref.is_error()
+                     else ref.is_stopped() or drawn[j] == eos)]
+        if ended:
+            for (seq, _), token in zip(rows, drawn):
+                seq.token_ids[-1] = token
+                seq.num_pending -= 1
+            for j in ended:
+                seq = rows[j][0]
+                seq.grammar.catch_up(seq)  # as the output processor does before it ends
+                assert (seq.grammar.error is None) == (not rows[j][1].is_error())
+                refused += seq.grammar.error is not None
+                structured.release(seq)
+                rows[j] = new_row(started)
+                started += 1
+            prev = None
+    assert checked > 300 * (n - 8) and started > n + 20 and refused > 3, (started, refused)
     structured.close()

@@ -1,0 +1,292 @@
+"""Structured outputs on the host alone: ``StructuredOutputs.step_mask`` per decode step, by
+phase, for many rows of one JSON schema over the Qwen vocabulary (CPU only, no model).
+
+N sequences (real ``Sequence`` objects under one ``person_schema()``, compact JSON) run S
+steps the way the engine drives them: each step ``step_mask`` reads the previous step's
+sampled ids through the pending-token path (``prev_tokens``), accepts them and fills the
+masks; every row then draws one token uniformly among those its mask allows (a seeded numpy
+RNG, so states diverge as under a random model); the previous step's tokens are then applied
+by the engine's ``OutputProcessor`` (its ``grammar.catch_up``, EOS and grammar-end checks),
+and the rows that finished are released. Per step (median and mean, ms): the Python work in
+``step_mask`` before its first llguidance call (``book``), the accepts and the fills (each
+from the first such call's start to the last one's end), both together (``par``), what
+follows them (``post``: accept results, the mask copy, a clone on CPU, and the step's
+``StepBitmask``), the total, and the output processing after it. Then the raw
+library rate at the rows' final states: the fill alone over the run's own matchers, and over
+the same states held by independent matchers, by copies of one matcher, and by templates of
+``--rows-per-template`` rows. ``mask_sha256`` digests every step's masks (equal across
+thread counts and code versions that give the same masks); ``lane_max_over_mean``: the rows
+of the busiest fill lane over the mean (median over the steps).
+
+    python benchmarks/structured_host_bench.py                       # 1024 rows, 64 steps
+    python benchmarks/structured_host_bench.py --rows 256 --steps 16 --threads 2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from structured_bench import person_schema, qwen_tokenizer  # noqa: E402
+
+VOCAB = 151936  # the Qwen logits' width
+PHASES = ("book", "accept", "fill", "par", "post", "total", "process")
+
+
+class TimedExecutor:
+    """An ``llguidance.LLExecutor`` that records when its parallel calls start and end (into
+    a list it may share with other executors, from any thread)."""
+
+    def __init__(self, executor, spans: list) -> None:
+        self.executor = executor
+        self.spans = spans  # (name, start, end)
+
+    def _timed(self, name: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.spans.append((name, t0, time.perf_counter()))
+
+    def consume_token_par(self, *args):
+        return self._timed("accept", self.executor.consume_token_par, *args)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        return self._timed("fill", self.executor.unsafe_compute_mask_ptr, *args)
+
+
+def span(spans: list, names: tuple, default: float) -> tuple[float, float]:
+    """From the first start to the last end of the calls named ``names``."""
+    picked = [(t0, t1) for name, t0, t1 in spans if name in names]
+    if not picked:
+        return default, default
+    return min(t0 for t0, _ in picked), max(t1 for _, t1 in picked)
+
+
+def draw(bits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row, uniform among the set bits of its packed mask ``[rows, words]``."""
+    words = bits.view(np.uint32)
+    out = np.empty(words.shape[0], dtype=np.int64)
+    for r in range(words.shape[0]):
+        nz = np.flatnonzero(words[r])
+        counts = np.cumsum(np.bitwise_count(words[r, nz]))
+        k = int(rng.integers(counts[-1]))
+        i = int(np.searchsorted(counts, k, side="right"))
+        word, k = int(words[r, nz[i]]), k - (int(counts[i - 1]) if i else 0)
+        for _ in range(k):
+            word &= word - 1  # drop the set bits below the k-th
+        out[r] = int(nz[i]) * 32 + (word & -word).bit_length() - 1
+    return out
+
+
+def stats(values: list[float]) -> dict:
+    ms = [v * 1e3 for v in values]
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms)}
+
+
+def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
+    """The stepping loop at ``threads`` fill threads: per-phase times, the live rows and the
+    ``StructuredOutputs``."""
+    import llguidance
+
+    from actors.engine import structured as st
+    from actors.engine.output_processor import OutputProcessor
+    from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
+    from sampler import SamplingParams
+
+    st.ROWS_PER_TEMPLATE = args.rows_per_template
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    structured = st.StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[eos],
+                                      device=torch.device("cpu"), max_num_seqs=args.rows,
+                                      fill_threads=threads)
+    spans: list = []
+    executor_class = llguidance.LLExecutor
+    # every executor step_mask makes records its calls
+    llguidance.LLExecutor = lambda *a: TimedExecutor(executor_class(*a), spans)
+    params = SamplingParams(max_tokens=args.steps + 8, detokenize=False)
+    request = Request("bench", [1], params, 0, 0, stop_token_ids=frozenset([eos]))
+    request.grammar = structured.submit(so)
+    assert request.grammar.result().error is None, request.grammar.result().error
+    outputs = OutputProcessor(tok, max_model_len=1 << 20, vocab_size=VOCAB)
+    running = []
+    for _ in range(args.rows):
+        seq = Sequence(request, 0, [1])
+        seq.status = SeqStatus.RUNNING
+        structured.start(seq)
+        running.append(seq)
+    rng = np.random.default_rng(args.seed)
+    times = {k: [] for k in PHASES}
+    balance = []  # per step: rows of the busiest fill lane over the mean
+    digest = hashlib.sha256()
+    prev = None  # (seqs, pending positions, tokens) of the step in flight
+    finished = 0
+    try:
+        for _ in range(args.steps):
+            if not running:
+                break
+            sampled = running
+            spans.clear()
+            # (``group`` for code before the fill lanes: its templates, one a thread at most)
+            loads = np.bincount([getattr(seq.grammar, "lane", seq.grammar.group)
+                                 for seq in sampled], minlength=threads)
+            balance.append(float(loads.max() / loads.mean()))
+            prev_tokens = prev[2] if prev is not None else None
+            t0 = time.perf_counter()
+            mask = structured.step_mask(sampled, lambda: prev_tokens)
+            t1 = time.perf_counter()
+            a0, a1 = span(spans, ("accept",), t0)
+            f0, f1 = span(spans, ("fill",), t0)
+            p0, p1 = span(spans, ("accept", "fill"), t0)
+            times["total"].append(t1 - t0)
+            times["book"].append(p0 - t0)
+            times["accept"].append(a1 - a0)
+            times["fill"].append(f1 - f0)
+            times["par"].append(p1 - p0)
+            times["post"].append(t1 - p1)
+            bits = mask.bits.numpy()
+            digest.update(bits.tobytes())
+            tokens = draw(bits, rng)
+            pending_pos = []
+            for row, seq in enumerate(sampled):  # as the executor marks a sampled row
+                pending_pos.append(len(seq.token_ids))
+                seq.token_ids.append(PENDING)
+                seq.num_pending += 1
+                seq.pending_row = row
+            if prev is not None:  # the engine processes the previous step after this launch
+                t2 = time.perf_counter()
+                done = outputs.apply_step(prev[0], prev[1], prev[2].tolist(), None, None, None,
+                                          None, None)
+                for seq in done:
+                    structured.release(seq)
+                    seq.status = SeqStatus.FINISHED
+                times["process"].append(time.perf_counter() - t2)
+                finished += len(done)
+                running = [s for s in sampled if s.status is not SeqStatus.FINISHED]
+            prev = (sampled, pending_pos, tokens)
+    finally:
+        llguidance.LLExecutor = executor_class
+    live = [s for s in running if s.grammar is not None]
+    result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
+              "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
+              "lane_max_over_mean": statistics.median(balance),
+              **{k: stats(v) for k, v in times.items() if v}}
+    return result, live, structured
+
+
+def raw_fill(structured, live: list, threads: int, args) -> dict:
+    """The library's parallel fill alone (``fill_next_token_bitmask_par`` on ``threads``
+    threads) at the live rows' states, in four matcher layouts: the run's own matchers, and
+    the same states replayed into independent matchers, into copies of one matcher and into
+    templates of ``--rows-per-template`` rows. ``first_ms``: the first fill of a replayed
+    layout (cold caches of fresh templates); ``after_token_ms``: the median fill right after
+    every matcher took its last token again (rollback, consume), as in a decode step."""
+    import llguidance
+    import llguidance.torch
+
+    live = [s for s in live if s.grammar.num_accepted]
+    compiled = live[0].request.grammar.result()
+    lt = structured._tokenizer()
+    history = [s.token_ids[s.num_prompt:s.num_prompt + s.grammar.num_accepted] for s in live]
+
+    def replayed(make) -> list:
+        matchers = [make(i) for i in range(len(live))]
+        for m, tokens in zip(matchers, history):
+            assert m.consume_tokens(tokens)
+        return matchers
+
+    def fresh(_):
+        return llguidance.LLMatcher(lt, compiled.grammar, log_level=0)
+
+    per = args.rows_per_template
+    templates = [fresh(0) for _ in range((len(live) + per - 1) // per)]
+    layouts = {"engine": [s.grammar.matcher for s in live],
+               "independent": replayed(fresh),
+               "one_template": replayed(lambda i: compiled.template.deep_copy()),
+               f"templates_of_{per}": replayed(lambda i: templates[i // per].deep_copy())}
+    executor = llguidance.LLExecutor(threads)
+    buf = torch.full((len(live), structured.words), -1, dtype=torch.int32)  # pages touched
+    out = {}
+    for name, matchers in layouts.items():
+        pairs = [(m, j) for j, m in enumerate(matchers)]
+        spans = []
+        for rep in range(1 + args.reps):
+            if rep:
+                for m, tokens in zip(matchers, history):
+                    assert m.rollback(1) and m.consume_token(tokens[-1])
+            t0 = time.perf_counter()
+            llguidance.torch.fill_next_token_bitmask_par(executor, pairs, buf)
+            spans.append(time.perf_counter() - t0)
+        out[name] = {"first_ms": spans[0] * 1e3,
+                     "after_token_ms": statistics.median(spans[1:]) * 1e3}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--threads", default="2", help="fill threads, a comma list: a run each")
+    p.add_argument("--rows-per-template", type=int, default=None,
+                   help="rows of one matcher template (default: the engine's)")
+    p.add_argument("--reps", type=int, default=5, help="repeats of each raw fill")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, help="write the first run's cProfile here")
+    p.add_argument("--out", default=None, help="a JSON file for the results")
+    args = p.parse_args(argv)
+    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from sampler import SamplingParams
+
+    if args.rows_per_template is None:
+        args.rows_per_template = ROWS_PER_TEMPLATE
+    so = SamplingParams(structured_outputs={"json": person_schema(),
+                                            "disable_any_whitespace": True}).structured_outputs
+    import llguidance.torch  # noqa: F401 - its first import (torch.compile) is not a step
+
+    # the CPU stand-in for the CUDA path's async mask copy is a clone: on one torch thread
+    # it costs what a copy costs, not a wait for torch's thread team
+    torch.set_num_threads(1)
+
+    tok = qwen_tokenizer()
+    runs = []
+    for n, threads in enumerate(int(t) for t in args.threads.split(",")):
+        if args.profile and n == 0:
+            import cProfile
+
+            with cProfile.Profile() as prof:
+                result, live, structured = run_steps(tok, so, threads, args)
+            prof.dump_stats(args.profile)
+        else:
+            result, live, structured = run_steps(tok, so, threads, args)
+        if live:
+            result["raw_fill"] = raw_fill(structured, live, threads, args)
+        structured.close()
+        runs.append(result)
+        line = "  ".join(f"{k} {result[k]['median_ms']:.2f}/{result[k]['mean_ms']:.2f}"
+                         for k in PHASES if k in result)
+        print(f"threads {threads}: {result['steps']} steps, {result['live_rows']} live, "
+              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest lane "
+              f"{result['lane_max_over_mean']:.2f}x the mean; "
+              f"ms median/mean: {line}")
+        for name, r in result.get("raw_fill", {}).items():
+            print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "
+                  f"{r['after_token_ms']:.2f} ms")
+    out = {"rows": args.rows, "steps": args.steps, "rows_per_template": args.rows_per_template,
+           "runs": runs}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
