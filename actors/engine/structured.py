@@ -8,10 +8,10 @@ request's error before any device work. Each sequence (each of n samples) gets i
 matcher (:class:`SequenceGrammar`), which accepts the sequence's output tokens in order and
 only once (``num_accepted``), so preemption and recompute never lose or double a token.
 ``step_mask`` runs while the step's forward is on the device: it reads the previous step's
-sampled ids (the async copy), advances the matchers and fills the masks of the constrained
-rows into a pinned host buffer, in lanes (a thread each; all copies of one matcher template
-in one lane, so no two threads share a template's lock), and uploads it without blocking.
-Library choice and measurements: docs/structured_outputs.md.
+sampled ids (the async copy), advances the matchers (one parallel llguidance call for the
+rows that take one token), fills the masks of the constrained rows in one parallel call into
+a pinned host buffer and uploads it without blocking. Library choice and measurements:
+docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -43,46 +43,37 @@ class CompiledConstraint:
     Copies of one llguidance matcher share its lexer and its caches behind a lock, so many
     rows of one constraint filled in parallel wait on each other; a constraint with many
     live sequences gets up to one template per fill thread (each compiled from ``grammar``
-    on first need, ~1 ms). A new sequence copies the template with the fewest live copies,
-    and a template gets a successor once it holds ``ROWS_PER_TEMPLATE`` live copies."""
+    on first need, ~1 ms), and its sequences are spread over them."""
 
     template: Any = None  # llguidance.LLMatcher in its initial state
     error: str | None = None
     grammar: str = ""  # the llguidance grammar text it was compiled from
     templates: list = field(default_factory=list)  # the templates after ``template``
-    num_live: list = field(default_factory=list)  # live copies of each template
-    lanes: dict = field(default_factory=dict)  # template index: the fill lane of its copies
+    num_started: int = 0  # sequences given a copy so far
 
     def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
         """A fresh matcher for one more sequence and the index of its template."""
         import llguidance
 
-        live = self.num_live or [0]
-        self.num_live = live
-        index = min(range(len(live)), key=live.__getitem__)
-        if live[index] >= ROWS_PER_TEMPLATE and len(live) < max(1, max_templates):
-            index = len(live)
-            live.append(0)
+        index = (self.num_started // ROWS_PER_TEMPLATE) % max(1, max_templates)
+        self.num_started += 1
+        if index == 0:
+            return self.template.deep_copy(), 0
+        while len(self.templates) < index:
             self.templates.append(llguidance.LLMatcher(tokenizer, self.grammar, log_level=0))
-        live[index] += 1
-        return (self.templates[index - 1] if index else self.template).deep_copy(), index
-
-    def drop_copy(self, index: int) -> None:
-        """A copy of template ``index`` is no longer live."""
-        self.num_live[index] -= 1
+        return self.templates[index - 1].deep_copy(), index
 
 
 class SequenceGrammar:
     """The matcher of one sequence and how many of its output tokens it accepted."""
 
-    __slots__ = ("matcher", "num_accepted", "error", "group", "lane")
+    __slots__ = ("matcher", "num_accepted", "error", "group")
 
-    def __init__(self, matcher: Any, group: int = 0, lane: int = 0) -> None:
+    def __init__(self, matcher: Any, group: int = 0) -> None:
         self.matcher = matcher
         self.num_accepted = 0
         self.error: str | None = None
-        self.group = group  # the template it was copied from
-        self.lane = lane  # the fill thread that advances it (every copy of its template's)
+        self.group = group  # the template it was copied from (fills go in its order)
 
     def new_tokens(self, seq: Sequence, pending: int = PENDING) -> list[int]:
         """The output tokens of ``seq`` not accepted yet, up to the first unknown one
@@ -130,9 +121,9 @@ class StructuredOutputs:
         device: where the sampler runs.
         max_num_seqs: the most rows a step samples.
         num_threads: compile threads.
-        fill_threads: lanes (a thread each) of the accept and mask fill (default: the cores
-            this process may run on less two, 2 to 16); a constraint shared by many
-            sequences gets up to this many matcher templates.
+        fill_threads: threads of the parallel accept and mask fill (default: the cores this
+            process may run on less two, 2 to 16); a constraint shared by many sequences
+            gets up to this many matcher templates.
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
@@ -151,9 +142,7 @@ class StructuredOutputs:
         self._cache: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._ll_tokenizer = None
-        self._lane_executors: list = []  # one single-thread llguidance executor per lane
-        self._lane_pool: ThreadPoolExecutor | None = None  # runs the lanes after the first
-        self._next_lane = 0
+        self._executor = None
         self._buffers: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._turn = 0
@@ -213,17 +202,12 @@ class StructuredOutputs:
         if seq.grammar is None:
             compiled: CompiledConstraint = seq.request.grammar.result()
             matcher, group = compiled.next_copy(self._tokenizer(), self.fill_threads)
-            lane = compiled.lanes.get(group)
-            if lane is None:  # templates go to the lanes in turn
-                lane = compiled.lanes[group] = self._next_lane
-                self._next_lane = (self._next_lane + 1) % self.fill_threads
-            seq.grammar = SequenceGrammar(matcher, group, lane)
+            seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
         seq.grammar.catch_up(seq)
 
     def release(self, seq: Sequence) -> None:
         if seq.grammar is not None:
-            seq.request.grammar.result().drop_copy(seq.grammar.group)
             seq.grammar = None
             self.num_active -= 1
 
@@ -240,44 +224,36 @@ class StructuredOutputs:
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
-        num_lanes = self.fill_threads
-        singles = [[] for _ in range(num_lanes)]  # per lane: (matcher, token) to accept
-        owners = [[] for _ in range(num_lanes)]   # per lane: the grammar of each single
-        fills = [[] for _ in range(num_lanes)]    # per lane: (matcher, mask row)
         host_prev = None
+        matchers, singles = [], []
         for j, r in enumerate(rows):
             seq = seqs[r]
             grammar = seq.grammar
-            lane = grammar.lane
-            tokens = seq.token_ids
-            if (seq.num_pending and tokens[-1] == PENDING and grammar.error is None
-                    and len(tokens) == seq.num_prompt + grammar.num_accepted + 1):
-                # a decode step: the one new token is the previous step's sampled id
+            pending = PENDING
+            if seq.num_pending:
                 if host_prev is None:
-                    host_prev = _host_list(prev_tokens())
-                singles[lane].append((grammar.matcher, host_prev[seq.pending_row]))
-                owners[lane].append(grammar)
+                    host_prev = prev_tokens()
+                pending = int(host_prev[seq.pending_row])
+            todo = grammar.new_tokens(seq, pending)
+            if len(todo) == 1 and grammar.error is None:
+                singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
             else:
-                pending = PENDING
-                if seq.num_pending:
-                    if host_prev is None:
-                        host_prev = _host_list(prev_tokens())
-                    pending = host_prev[seq.pending_row]
-                todo = grammar.new_tokens(seq, pending)
-                if len(todo) == 1 and grammar.error is None:
-                    singles[lane].append((grammar.matcher, todo[0]))
-                    owners[lane].append(grammar)
-                else:
-                    grammar.accept(todo)
-            fills[lane].append((grammar.matcher, j))
-        buf = self._buffer(len(rows))
-        busy = [k for k in range(num_lanes) if fills[k]]
-        accepted = self._run_lanes(busy, singles, fills, buf)
-        for k, oks in zip(busy, accepted):
-            for grammar, ok, (_, token) in zip(owners[k], oks, singles[k]):
+                grammar.accept(todo)
+            matchers.append((grammar.matcher, j))
+        # rows of one template next to each other: each thread takes a contiguous run
+        if len(rows) > ROWS_PER_TEMPLATE:
+            groups = [seqs[r].grammar.group for r in rows]
+            matchers = [matchers[j] for j in sorted(range(len(rows)), key=groups.__getitem__)]
+            singles.sort(key=lambda item: item[0].group)
+        if singles:
+            accepted = self._fill_executor().consume_token_par(
+                [(grammar.matcher, token) for grammar, token in singles])
+            for (grammar, token), ok in zip(singles, accepted):
                 if not ok:
                     grammar.refused(token)
                 grammar.num_accepted += 1
+        buf = self._buffer(len(rows))
+        self._fill(matchers, buf)
         if self.device.type == "cuda":
             bits = buf.to(self.device, non_blocking=True)
             self._events[self._turn].record()
@@ -286,36 +262,18 @@ class StructuredOutputs:
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device)
 
-    def _run_lanes(self, busy: list[int], singles: list, fills: list,
-                   buf: torch.Tensor) -> list[list[bool]]:
-        """Runs each busy lane (its accepts, then its fills) on its own thread, the first on
-        this one; returns each lane's accept results. Every copy of a template is in one
-        lane, so no two threads ever wait on one template's lock."""
-        if not self._lane_executors:
+    def _fill_executor(self) -> Any:
+        """llguidance's thread pool of the parallel accept and mask fill."""
+        if self._executor is None:
             import llguidance
 
-            self._lane_executors = [llguidance.LLExecutor(1) for _ in range(self.fill_threads)]
-        if len(busy) == 1:
-            return [self._run_lane(busy[0], singles[busy[0]], fills[busy[0]], buf)]
-        if self._lane_pool is None:
-            self._lane_pool = ThreadPoolExecutor(self.fill_threads - 1,
-                                                 thread_name_prefix="grammar-fill")
-        futures = [self._lane_pool.submit(self._run_lane, k, singles[k], fills[k], buf)
-                   for k in busy[1:]]
-        try:
-            first = self._run_lane(busy[0], singles[busy[0]], fills[busy[0]], buf)
-        finally:
-            wait(futures)  # no lane still runs when this returns or raises
-        return [first] + [f.result() for f in futures]
+            self._executor = llguidance.LLExecutor(self.fill_threads)
+        return self._executor
 
-    def _run_lane(self, lane: int, singles: list, fills: list, buf: torch.Tensor) -> list:
-        """One lane's accepts and mask fills (llguidance calls that release the GIL)."""
+    def _fill(self, matchers: list, buf: torch.Tensor) -> None:
         import llguidance.torch
 
-        executor = self._lane_executors[lane]
-        accepted = executor.consume_token_par(singles) if singles else []
-        llguidance.torch.fill_next_token_bitmask_par(executor, fills, buf)
-        return accepted
+        llguidance.torch.fill_next_token_bitmask_par(self._fill_executor(), matchers, buf)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """A host buffer ``[rows, words]`` for this step's masks: two pinned buffers taken
@@ -335,11 +293,3 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        if self._lane_pool is not None:
-            self._lane_pool.shutdown(wait=False)
-            self._lane_pool = None
-
-
-def _host_list(tokens: Any) -> list[int]:
-    """The previous step's sampled ids as a list of ints (one conversion, not one a row)."""
-    return tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]

@@ -157,33 +157,16 @@ def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_ma
         seqs.append(seq)
     groups = [seq.grammar.group for seq in seqs]
     assert groups == [i // ROWS_PER_TEMPLATE for i in range(n)]  # three templates
-    lanes = {seq.grammar.group: seq.grammar.lane for seq in seqs}  # a template: one lane
-    assert all(seq.grammar.lane == lanes[seq.grammar.group] for seq in seqs)
-    assert sorted(lanes.values()) == [0, 1, 2]
     allowed = unpack_token_bitmask(structured.step_mask(seqs, prev_tokens=None).bits, VOCAB)
     assert all(seq.grammar.num_accepted == len(seq.token_ids) - 1 for seq in seqs)
     for i in range(len(texts), n):  # same text, any template: the same mask
         assert torch.equal(allowed[i], allowed[i % len(texts)]), i
     assert len({tuple(allowed[i].tolist()) for i in range(len(texts))}) == len(texts)
-    # a new row copies the template with the fewest live rows (32, 32, 6 live: the third;
-    # then 32, 2, 7: the second)
-    assert _start(structured, request).grammar.group == 2
-    for seq in seqs[ROWS_PER_TEMPLATE:2 * ROWS_PER_TEMPLATE - 2]:
-        structured.release(seq)
-    assert [_start(structured, request).grammar.group for _ in range(3)] == [1, 1, 1]
     structured.close()
 
 
-def _start(structured, request):
-    from actors.engine.sequence import Sequence
-
-    seq = Sequence(request, 0, [1])
-    structured.start(seq)
-    return seq
-
-
 def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps():
-    """Rows of one shared schema (several templates and lanes) and of two other constraints
+    """Rows of one shared schema (several templates) and of two other constraints
     step as in the engine (the previous step's ids pending, or already applied, or several
     tokens at once, a refused token now and then, rows ending and new ones starting); every
     mask equals the one of a matcher of the row's own, fed the same tokens one at a time."""
