@@ -229,16 +229,24 @@ class StructuredOutputs:
         for j, r in enumerate(rows):
             seq = seqs[r]
             grammar = seq.grammar
-            pending = PENDING
-            if seq.num_pending:
+            tokens = seq.token_ids
+            if (seq.num_pending and tokens[-1] == PENDING and grammar.error is None
+                    and len(tokens) == seq.num_prompt + grammar.num_accepted + 1):
+                # a decode step: the one new token is the previous step's sampled id
                 if host_prev is None:
-                    host_prev = prev_tokens()
-                pending = int(host_prev[seq.pending_row])
-            todo = grammar.new_tokens(seq, pending)
-            if len(todo) == 1 and grammar.error is None:
-                singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
+                    host_prev = _host_list(prev_tokens())
+                singles.append((grammar, host_prev[seq.pending_row]))  # accepted in parallel
             else:
-                grammar.accept(todo)
+                pending = PENDING
+                if seq.num_pending:
+                    if host_prev is None:
+                        host_prev = _host_list(prev_tokens())
+                    pending = host_prev[seq.pending_row]
+                todo = grammar.new_tokens(seq, pending)
+                if len(todo) == 1 and grammar.error is None:
+                    singles.append((grammar, todo[0]))
+                else:
+                    grammar.accept(todo)
             matchers.append((grammar.matcher, j))
         # rows of one template next to each other: each thread takes a contiguous run
         if len(rows) > ROWS_PER_TEMPLATE:
@@ -293,3 +301,8 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _host_list(tokens: Any) -> list[int]:
+    """The previous step's sampled ids as a list of ints (one conversion, not one a row)."""
+    return tokens.tolist() if hasattr(tokens, "tolist") else [int(t) for t in tokens]
