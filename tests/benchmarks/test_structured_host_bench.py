@@ -1,0 +1,22 @@
+"""Smoke test of benchmarks/structured_host_bench.py on the tiny tokenizer (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.benchmarks.helpers import load_benchmark
+
+
+def test_tiny_run_times_every_phase_and_writes_its_json(tmp_path):
+    bench = load_benchmark("structured_host_bench")
+    out = tmp_path / "host.json"
+    result = bench.main(["--tokenizer", "tiny", "--rows", "40", "--steps", "6",
+                         "--threads", "1,2", "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    first, second = result["runs"]
+    assert (first["threads"], second["threads"]) == (1, 2)
+    for run in result["runs"]:
+        assert run["steps"] == 6
+        assert all(run[k]["median_ms"] > 0 for k in ("book", "fill", "total"))
+    # the masks depend on the rows' tokens only, not on the fill threads
+    assert first["mask_sha256"] == second["mask_sha256"]
