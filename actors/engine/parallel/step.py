@@ -54,22 +54,26 @@ def send_graph_step(comm: TPComm, input_ids: torch.Tensor, inputs: StepInputs) -
 
 
 def recv_step(comm: TPComm, header: list[int], device: torch.device, block_size: int
-              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """Ranks > 0: the step announced by ``header``: ids, positions, metadata, copies."""
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                         list[np.ndarray]]:
+    """Ranks > 0: the step announced by ``header``: ids, positions, metadata, copies, and the
+    packed parts on the host (ids, positions, slots, ...: one copy back for all of them)."""
     _, T, B, num_blocks, max_query_len, max_seq_len, num_copies, _ = header
     sizes = [T, T, T, B + 1, B, B * num_blocks, 2 * num_copies]
-    packed = comm.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=comm.device))
-    packed = packed.to(device)
+    received = comm.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=comm.device))
+    host = np.split(received.cpu().numpy(), np.cumsum(sizes)[:-1])
+    packed = received.to(device)
     ids, positions, slots, qsl, seq_lens, tables, copies = torch.split(packed, sizes)
     qsl, seq_lens = qsl.to(torch.int32), seq_lens.to(torch.int32)
     tables = tables.to(torch.int32).reshape(B, num_blocks)
     metadata = AttentionMetadata(
         num_seqs=B, num_tokens=T, max_query_len=max_query_len, max_seq_len=max_seq_len,
         query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
-        positions=positions, query_start_loc_host=qsl.cpu().numpy(),
-        seq_lens_host=seq_lens.cpu().numpy(), block_tables_host=tables.cpu().numpy(),
+        positions=positions, query_start_loc_host=host[3].astype(np.int32),
+        seq_lens_host=host[4].astype(np.int32),
+        block_tables_host=host[5].astype(np.int32).reshape(B, num_blocks),
         block_size=block_size)
-    return ids, positions, metadata, copies.reshape(-1, 2)
+    return ids, positions, metadata, copies.reshape(-1, 2), host
 
 
 def send_logit_rows(comm: TPComm, hidden: torch.Tensor) -> None:
@@ -123,17 +127,17 @@ class TPModelRunner(ModelRunner):
 def run_worker_step(runner: ModelRunner, comm: TPComm, header: list[int]) -> None:
     """Ranks > 0: runs the announced step's forward on this shard (a decode step in this
     rank's CUDA graph when it has one for the batch), then its page copies."""
-    ids, positions, metadata, copies = recv_step(comm, header, runner.device,
-                                                 runner.block_size)
+    ids, positions, metadata, copies, host = recv_step(comm, header, runner.device,
+                                                       runner.block_size)
     runner.staging.begin_uploads()
     graphs = runner.graphs
     if graphs is not None and metadata.max_query_len == 1 \
             and metadata.num_seqs <= graphs.max_batch:
         inputs = StepInputs(
-            input_ids=ids.cpu().numpy(), positions=positions.cpu().numpy(),
+            input_ids=host[0], positions=host[1],
             query_start_loc=metadata.query_start_loc_host, seq_lens=metadata.seq_lens_host,
             block_tables=metadata.block_tables_host,
-            slot_mapping=metadata.slot_mapping.cpu().numpy(), pending_index=_EMPTY,
+            slot_mapping=host[2], pending_index=_EMPTY,
             pending_rows=_EMPTY, last_index=_EMPTY, copies=_NO_COPIES,
             max_query_len=1, max_seq_len=metadata.max_seq_len)
         if graphs.run(runner, inputs, None) is not None:
