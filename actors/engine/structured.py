@@ -79,8 +79,11 @@ class SequenceGrammar:
         """The output tokens of ``seq`` not accepted yet, up to the first unknown one
         (``pending``: the value of a trailing placeholder, when the caller knows it)."""
         tokens = seq.token_ids
+        start = seq.num_prompt + self.num_accepted
+        if start == len(tokens) - 1 and tokens[start] == PENDING:
+            return [] if pending == PENDING else [pending]  # a decode step's one token
         out = []
-        for pos in range(seq.num_prompt + self.num_accepted, len(tokens)):
+        for pos in range(start, len(tokens)):
             token = tokens[pos]
             if token == PENDING:
                 if pos != len(tokens) - 1 or pending == PENDING:
@@ -229,24 +232,16 @@ class StructuredOutputs:
         for j, r in enumerate(rows):
             seq = seqs[r]
             grammar = seq.grammar
-            tokens = seq.token_ids
-            if (seq.num_pending and tokens[-1] == PENDING and grammar.error is None
-                    and len(tokens) == seq.num_prompt + grammar.num_accepted + 1):
-                # a decode step: the one new token is the previous step's sampled id
+            pending = PENDING
+            if seq.num_pending:
                 if host_prev is None:
                     host_prev = _host_list(prev_tokens())
-                singles.append((grammar, host_prev[seq.pending_row]))  # accepted in parallel
+                pending = host_prev[seq.pending_row]
+            todo = grammar.new_tokens(seq, pending)
+            if len(todo) == 1 and grammar.error is None:
+                singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
             else:
-                pending = PENDING
-                if seq.num_pending:
-                    if host_prev is None:
-                        host_prev = _host_list(prev_tokens())
-                    pending = host_prev[seq.pending_row]
-                todo = grammar.new_tokens(seq, pending)
-                if len(todo) == 1 and grammar.error is None:
-                    singles.append((grammar, todo[0]))
-                else:
-                    grammar.accept(todo)
+                grammar.accept(todo)
             matchers.append((grammar.matcher, j))
         # rows of one template next to each other: each thread takes a contiguous run
         if len(rows) > ROWS_PER_TEMPLATE:
