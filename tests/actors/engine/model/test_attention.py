@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,31 @@ LAYOUTS = {
 }
 
 
+def paged_step(cache: KVCache, layout: str, scale: float = 1.0) -> SimpleNamespace:
+    """A step of ``LAYOUTS[layout]`` over layer 1 of ``cache``: four sequences on pages out
+    of order (``tables``), their ``keys`` / ``values`` (random, times ``scale``) with each
+    cached prefix already in the pages (in the pool's dtype), the metadata ``md``, the
+    queries ``q``, the new tokens' ``k_new`` / ``v_new`` and each sequence's query ``rows``."""
+    context_lens, query_lens = LAYOUTS[layout]
+    tables = [[3, 7], [12, 1, 30], [5, 6, 9], [20]]
+    total = [c + q for c, q in zip(context_lens, query_lens)]
+    keys = [torch.randn(n, KV_HEADS, DIM) * scale for n in total]
+    values = [torch.randn(n, KV_HEADS, DIM) * scale for n in total]
+    layer = cache.layer(1)
+    for s, table in enumerate(tables):
+        for p in range(context_lens[s]):
+            layer[table[p // BS], 0, p % BS] = keys[s][p].to(layer.dtype)
+            layer[table[p // BS], 1, p % BS] = values[s][p].to(layer.dtype)
+    md = _metadata(context_lens, query_lens, tables)
+    q = torch.randn(md.num_tokens, HEADS, DIM)
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    return SimpleNamespace(
+        tables=tables, keys=keys, values=values, layer=layer, md=md, q=q,
+        k_new=torch.cat([keys[s][context_lens[s]:] for s in range(4)]),
+        v_new=torch.cat([values[s][context_lens[s]:] for s in range(4)]),
+        rows=[slice(starts[s], starts[s + 1]) for s in range(4)])
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("window", [None, 3, 6])
 def test_paged_attention_matches_dense(window, layout):
@@ -67,29 +94,15 @@ def test_paged_attention_matches_dense(window, layout):
     cache = KVCache(2, 32, BS, KV_HEADS, DIM, torch.float32, "cpu")
     backend = get_attention_backend("torch", cache, num_heads=HEADS, num_kv_heads=KV_HEADS,
                                     head_dim=DIM)
-    context_lens, query_lens = LAYOUTS[layout]  # pages below are out of order
-    tables = [[3, 7], [12, 1, 30], [5, 6, 9], [20]]
-    total = [c + q for c, q in zip(context_lens, query_lens)]
-    keys = [torch.randn(n, KV_HEADS, DIM) for n in total]
-    values = [torch.randn(n, KV_HEADS, DIM) for n in total]
-    layer = cache.layer(1)
-    for s, table in enumerate(tables):  # the cached prefix is already in the pages
-        for p in range(context_lens[s]):
-            layer[table[p // BS], 0, p % BS] = keys[s][p]
-            layer[table[p // BS], 1, p % BS] = values[s][p]
-    md = _metadata(context_lens, query_lens, tables)
-    q = torch.randn(md.num_tokens, HEADS, DIM)
-    k_new = torch.cat([keys[s][context_lens[s]:] for s in range(4)])
-    v_new = torch.cat([values[s][context_lens[s]:] for s in range(4)])
-    out = backend.forward(backend.plan(md), 1, q, k_new, v_new, scaling=0.3,
-                          sliding_window=window)
-    assert out.shape == q.shape
-    starts = np.concatenate([[0], np.cumsum(query_lens)])
-    for s in range(4):
-        sl = slice(starts[s], starts[s + 1])
-        expected = _dense(q[sl], keys[s], values[s], 0.3, window)
+    case = paged_step(cache, layout)
+    out = backend.forward(backend.plan(case.md), 1, case.q, case.k_new, case.v_new,
+                          scaling=0.3, sliding_window=window)
+    assert out.shape == case.q.shape
+    keys, values, layer, tables = case.keys, case.values, case.layer, case.tables
+    for s, sl in enumerate(case.rows):
+        expected = _dense(case.q[sl], keys[s], values[s], 0.3, window)
         torch.testing.assert_close(out[sl], expected, atol=1e-5, rtol=1e-5)
-        for p in range(total[s]):  # new K/V landed in their slots
+        for p in range(len(keys[s])):  # new K/V landed in their slots
             torch.testing.assert_close(layer[tables[s][p // BS], 0, p % BS], keys[s][p])
     assert cache.layer(0).abs().sum() == 0  # other layers untouched
 

@@ -19,7 +19,7 @@ from actors.engine.model.kv_cache import (
     store_rows,
 )
 from tests.actors.engine.model.test_attention import BS, DIM, HEADS, KV_HEADS, LAYOUTS, \
-    _dense, _metadata
+    _dense, _metadata, paged_step
 
 E4M3 = torch.float8_e4m3fn
 
@@ -92,29 +92,16 @@ def test_torch_backend_attends_over_the_dequantized_pages(window, layout):
     cache = _fp8_cache()
     backend = get_attention_backend("torch", cache, num_heads=HEADS, num_kv_heads=KV_HEADS,
                                     head_dim=DIM)
-    context_lens, query_lens = LAYOUTS[layout]
-    tables = [[3, 7], [12, 1, 30], [5, 6, 9], [20]]
-    total = [c + q for c, q in zip(context_lens, query_lens)]
-    keys = [torch.randn(n, KV_HEADS, DIM) * 3 for n in total]
-    values = [torch.randn(n, KV_HEADS, DIM) * 3 for n in total]
-    layer = cache.layer(1)
-    for s, table in enumerate(tables):  # the cached prefix, written as the engine would
-        for p in range(context_lens[s]):
-            layer[table[p // BS], 0, p % BS] = keys[s][p].to(E4M3)
-            layer[table[p // BS], 1, p % BS] = values[s][p].to(E4M3)
-    md = _metadata(context_lens, query_lens, tables)
-    q = torch.randn(md.num_tokens, HEADS, DIM)
-    k_new = torch.cat([keys[s][context_lens[s]:] for s in range(4)])
-    v_new = torch.cat([values[s][context_lens[s]:] for s in range(4)])
-    out = backend.forward(backend.plan(md), 1, q, k_new, v_new, scaling=0.3,
+    case = paged_step(cache, layout, scale=3.0)
+    q = case.q
+    out = backend.forward(backend.plan(case.md), 1, q, case.k_new, case.v_new, scaling=0.3,
                           sliding_window=window)
     assert out.dtype == torch.float32
-    starts = np.concatenate([[0], np.cumsum(query_lens)])
-    for s in range(4):
-        sl = slice(starts[s], starts[s + 1])
-        expected = _dense(q[sl], _round(keys[s]), _round(values[s]), 0.3, window)
+    for s, sl in enumerate(case.rows):
+        keys, values = case.keys[s], case.values[s]
+        expected = _dense(q[sl], _round(keys), _round(values), 0.3, window)
         torch.testing.assert_close(out[sl], expected, atol=1e-5, rtol=1e-5)
-        exact = _dense(q[sl], keys[s], values[s], 0.3, window)
+        exact = _dense(q[sl], keys, values, 0.3, window)
         assert (out[sl] - exact).abs().max() > 1e-4  # the rounding is really there
     assert cache.layer(0).float().abs().sum() == 0
 
