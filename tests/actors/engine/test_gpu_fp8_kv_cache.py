@@ -12,30 +12,17 @@ every first difference a near-tie, logprob |diff| mean 0.034, max 0.21.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from actors.engine.llm_engine import Engine
 from sampler import SamplingParams
+# the device requirement, the model and the engine options of the FP8-weights GPU test
+from tests.actors.engine.test_gpu_fp8 import OPTIONS as FP8_OPTIONS
+from tests.actors.engine.test_gpu_fp8 import gpu_model, pytestmark  # noqa: F401
 from tests.actors.helpers import random_prompts
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available()
-                       or torch.cuda.get_device_capability() < (8, 9),
-                       reason="needs a CUDA GPU of compute capability >= 8.9"),
-]
-
-GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                 num_key_value_heads=2)
-OPTIONS = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": 512,
-           "num_kv_blocks": 1024, "dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+OPTIONS = {**FP8_OPTIONS, "dtype": "bfloat16", "kv_cache_dtype": "fp8"}
 TIE = 0.25  # nats: a flip of the greedy choice between two candidates this close is a tie
-
-
-@pytest.fixture(scope="module")
-def gpu_model(tiny_model_factory):
-    return tiny_model_factory("qwen2", **GPU_SHAPE)
 
 
 def _greedy(engine: Engine, prompts: list[list[int]]) -> list:
