@@ -18,14 +18,12 @@ import math
 
 import torch
 
+# e4m3 and its largest finite value: an FP8 pool's rows are clamped to +-FP8_MAX, then cast
+from actors.engine.model.quantization.fp8_math import FP8_DTYPE, FP8_MAX, check_capability
+
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_BYTES = 1 << 30
-#: e4m3's largest finite value: an FP8 pool's rows are clamped to +-FP8_MAX before the cast
-FP8_MAX = 448.0
-FP8_KV_DTYPE = torch.float8_e4m3fn
-#: FlashInfer's FP8 KV kernels (and e4m3 conversions) need Ada / Hopper or newer
-FP8_KV_MIN_CAPABILITY = (8, 9)
 
 
 class KVCache:
@@ -119,15 +117,15 @@ class KVCache:
 def as_bytes(pages: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor as its bytes (``uint8``, same shape: torch's index kernels do not all
     take float8); any other tensor as it is."""
-    return pages.view(torch.uint8) if pages.dtype == FP8_KV_DTYPE else pages
+    return pages.view(torch.uint8) if pages.dtype == FP8_DTYPE else pages
 
 
 def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """``flat[rows[i]] = values[i]`` in ``flat``'s dtype (``index_copy_`` along dim 0). Into an
     FP8 pool the values are clamped to +-``FP8_MAX`` first (scale 1.0), so the cast never makes
     NaN or inf out of a large finite value."""
-    if flat.dtype == FP8_KV_DTYPE:
-        quantized = values.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+    if flat.dtype == FP8_DTYPE:
+        quantized = values.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         flat.view(torch.uint8).index_copy_(0, rows, quantized.view(torch.uint8))
     else:
         flat.index_copy_(0, rows, values.to(flat.dtype))
@@ -135,8 +133,8 @@ def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
 
 def gather_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``pages[index]`` (advanced indexing on dim 0), FP8 pages gathered as bytes."""
-    if pages.dtype == FP8_KV_DTYPE:
-        return pages.view(torch.uint8)[index].view(FP8_KV_DTYPE)
+    if pages.dtype == FP8_DTYPE:
+        return pages.view(torch.uint8)[index].view(FP8_DTYPE)
     return pages[index]
 
 
@@ -149,14 +147,9 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
     if name != "fp8":
         raise ValueError(f"engine.kv_cache_dtype: must be 'auto' or 'fp8', got {name!r}")
     if device.type == "cuda":
-        capability = tuple(torch.cuda.get_device_capability(device))
-        if capability < FP8_KV_MIN_CAPABILITY:
-            need = ".".join(map(str, FP8_KV_MIN_CAPABILITY))
-            raise ValueError(
-                f"engine.kv_cache_dtype: 'fp8' needs a CUDA GPU of compute capability >= "
-                f"{need} (FlashInfer's FP8 KV cache kernels; Ada, Hopper), {device} "
-                f"({torch.cuda.get_device_name(device)}) has {capability[0]}.{capability[1]}")
-    return FP8_KV_DTYPE
+        check_capability(device, "engine.kv_cache_dtype: 'fp8'",
+                         "FlashInfer's FP8 KV cache kernels; Ada, Hopper")
+    return FP8_DTYPE
 
 
 def bytes_per_block(

@@ -1,5 +1,6 @@
 """The e4m3 arithmetic every FP8 piece shares, in plain torch (the kernels' oracles): the
-constants, per-token quantization of activations, per-channel quantization of weights."""
+constants, per-token quantization of activations, per-channel quantization of weights, and
+the GPU generation that runs e4m3."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+#: the oldest CUDA compute capability with e4m3 tensor cores and conversions (Ada 8.9; Hopper 9.0)
+MIN_CAPABILITY = (8, 9)
 #: smallest scale (a row of zeros, e.g. CUDA-graph padding, quantizes to zeros, not NaN)
 SCALE_FLOOR = 1e-12
 
@@ -31,3 +34,14 @@ def quantize_weight_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     the rows of ``quantize_rows_torch``."""
     q, scale = quantize_rows_torch(weight)
     return q, scale.reshape(-1)
+
+
+def check_capability(device: torch.device, option: str, why: str = "Hopper, Ada") -> None:
+    """Raises ``ValueError`` naming ``option`` (e.g. "engine.quantization: 'fp8'") and
+    ``why`` when the CUDA ``device`` is older than :data:`MIN_CAPABILITY`."""
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability < MIN_CAPABILITY:
+        raise ValueError(
+            f"{option} needs a CUDA GPU of compute capability >= "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} ({why}), {device} "
+            f"({torch.cuda.get_device_name(device)}) has {capability[0]}.{capability[1]}")

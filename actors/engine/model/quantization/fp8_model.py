@@ -17,12 +17,9 @@ from actors.engine.model.quantization.fp8_checkpoint import (
     per_channel,
 )
 from actors.engine.model.quantization.fp8_linear import Fp8Linear
+from actors.engine.model.quantization.fp8_math import MIN_CAPABILITY, check_capability
 
 logger = logging.getLogger(__name__)
-
-#: the oldest CUDA compute capability with e4m3 tensor cores (Ada 8.9; Hopper 9.0)
-MIN_CAPABILITY = (8, 9)
-
 
 def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
     """Raises ``ValueError`` unless FP8 can run on ``device`` with ``dtype`` activations."""
@@ -30,12 +27,7 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"engine.quantization: 'fp8' needs a CUDA GPU of compute capability "
                          f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Hopper, Ada), the "
                          f"engine's device is {device}")
-    capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) < MIN_CAPABILITY:
-        raise ValueError(
-            f"engine.quantization: 'fp8' needs a CUDA GPU of compute capability >= "
-            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Hopper, Ada), {device} "
-            f"({torch.cuda.get_device_name(device)}) has {capability[0]}.{capability[1]}")
+    check_capability(device, "engine.quantization: 'fp8'")
     if dtype != torch.bfloat16:
         raise ValueError(f"engine.dtype: quantization 'fp8' computes in bfloat16, got {dtype}")
 
