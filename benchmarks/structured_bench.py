@@ -88,6 +88,8 @@ def run(engine, prompts: np.ndarray, params: list, timed: bool = False) -> dict:
     from actors.engine.step_timer import StepTimer
 
     timer = StepTimer().attach(engine) if timed and DEVICE == "cuda" else None
+    structured = engine.structured
+    ahead, here = structured.rows_ahead, structured.rows_here
     sync()
     t0 = time.perf_counter()
     outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
@@ -97,7 +99,10 @@ def run(engine, prompts: np.ndarray, params: list, timed: bool = False) -> dict:
     reasons = {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "error")}
     result = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
               "finish_reasons": reasons,
-              "lengths": [o.num_output_tokens for o in sorted(outs, key=lambda o: o.id)]}
+              "lengths": [o.num_output_tokens for o in sorted(outs, key=lambda o: o.id)],
+              # masks filled while the step before ran, and in the step itself
+              "masks_ahead": structured.rows_ahead - ahead,
+              "masks_in_step": structured.rows_here - here}
     if timer is not None:
         timer.detach()
         result["steps"] = timer.summary(min_batch=len(params) // 2)

@@ -30,16 +30,25 @@ class StepBitmask:
 
     @classmethod
     def build(cls, bits: torch.Tensor, rows_host: np.ndarray, num_rows: int,
-              device: torch.device) -> "StepBitmask":
-        """From the masks (already on ``device``) and their logits rows as a host array."""
+              device: torch.device, source: np.ndarray | None = None) -> "StepBitmask":
+        """From the masks (already on ``device``) and their logits rows as a host array;
+        with ``source``, ``bits`` holds them in other rows: row ``source[j]`` is the mask
+        of logits row ``rows_host[j]`` (a row of ``bits`` no row names is left out)."""
         from sampler.state import to_device
 
         rows_host = np.asarray(rows_host, dtype=np.int64)
-        assert bits.shape[0] == rows_host.shape[0] and bits.dtype == torch.int32
+        n = rows_host.shape[0]
+        assert bits.dtype == torch.int32
+        assert bits.shape[0] == n if source is None else len(source) == n
         row_map = np.full(num_rows, -1, dtype=np.int32)
-        row_map[rows_host] = np.arange(rows_host.shape[0], dtype=np.int32)
-        both = to_device(np.concatenate([rows_host, row_map.astype(np.int64)]), device)
-        return cls(bits, both[:rows_host.shape[0]], both[rows_host.shape[0]:].to(torch.int32))
+        row_map[rows_host] = np.arange(n, dtype=np.int32)
+        parts = [rows_host, row_map.astype(np.int64)]
+        if source is not None:
+            parts.append(np.asarray(source, dtype=np.int64))
+        both = to_device(np.concatenate(parts), device)
+        if source is not None:
+            bits = bits.index_select(0, both[n + num_rows:])
+        return cls(bits, both[:n], both[n:n + num_rows].to(torch.int32))
 
 
 def check_bitmask(mask: StepBitmask, num_rows: int, vocab: int) -> None:

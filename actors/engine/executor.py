@@ -101,8 +101,8 @@ class StepExecutor:
         mask = None
         structured = self.structured
         if structured is not None and structured.num_active:
-            # the forward is queued: the host advances the matchers with the previous
-            # step's ids and fills this step's masks meanwhile
+            # the forward is queued: this step's masks, filled ahead (StructuredOutputs.
+            # advance) or now for rows new to them
             mask = structured.step_mask(sample_seqs, lambda: prev.output.get().token_ids)
         out = self.sampler.sample(logits, inputs.sample_slots,
                                   device_slots=self.runner.sample_slots, token_bitmask=mask)
@@ -118,6 +118,8 @@ class StepExecutor:
             seq.num_pending += 1
             seq.pending_row = row
         step.sample_seqs = sample_seqs  # the scheduler's list: the runner knows it by identity
+        if mask is not None:  # the next step's masks are filled while this one runs
+            structured.advance(sample_seqs, pending_pos, step.output)
 
     def _token_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
                         seqs: list[Sequence]) -> AsyncOutput:

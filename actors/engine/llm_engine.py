@@ -339,6 +339,7 @@ class Engine:
                 scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
         if step.output is None:
             return
+        self.structured.settle(step.output)  # its matchers (when no step since took them)
         waited, cpu_waited = time.perf_counter(), time.thread_time()
         host = step.output.get()
         counters = self.counters
@@ -463,7 +464,10 @@ class Engine:
 
     def close(self) -> None:
         """Ends the other tensor-parallel ranks (idempotent; also done when the engine is
-        garbage-collected). A one-rank engine has nothing to end."""
+        garbage-collected) and the threads of structured outputs."""
+        structured = getattr(self, "structured", None)  # None when the build failed
+        if structured is not None:
+            structured.close()
         if self.replica is not None:
             self.replica.close()
 

@@ -103,9 +103,10 @@ class OutputProcessor:
         detok = seq.detok
         grammar = seq.grammar
         if grammar is not None:
-            grammar.catch_up(seq)
-            if grammar.error is not None:
-                seq.error = grammar.error
+            grammar.catch_up(seq)  # (accepted already when the step's masks were filled)
+            error = grammar.error_by(num_out)
+            if error is not None:
+                seq.error = error
                 return self._finish(seq, pos, "error", None)
         stop_allowed = num_out >= params.min_tokens
         if stop_allowed and token_id in request.stop_token_ids:
@@ -125,7 +126,7 @@ class OutputProcessor:
                 if hit is not None:
                     detok.text = detok.text[:hit[1]]
                     return self._finish(seq, pos, "stop", hit[0])
-        if grammar is not None and grammar.is_stopped:  # the grammar ended: nothing may follow
+        if grammar is not None and grammar.ended_by(num_out):  # nothing may follow
             if detok is not None:
                 detok.flush()
             return self._finish(seq, pos, "stop", None)

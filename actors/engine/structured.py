@@ -65,15 +65,23 @@ class CompiledConstraint:
 
 
 class SequenceGrammar:
-    """The matcher of one sequence and how many of its output tokens it accepted."""
+    """The matcher of one sequence, how many of its output tokens it accepted, and where its
+    text ended or failed (output token counts, so that a reader behind the matcher sees the
+    answer for the token it is at, whatever the matcher accepted since)."""
 
-    __slots__ = ("matcher", "num_accepted", "error", "group")
+    __slots__ = ("matcher", "num_accepted", "error", "error_at", "stopped_at", "group",
+                 "mask_turn", "mask_row", "mask_at")
 
     def __init__(self, matcher: Any, group: int = 0) -> None:
         self.matcher = matcher
         self.num_accepted = 0
         self.error: str | None = None
+        self.error_at = -1  # the index of the refused output token
+        self.stopped_at = -1  # output tokens after which the grammar ended (-1: not yet)
         self.group = group  # the template it was copied from (fills go in its order)
+        self.mask_turn = -1  # the ahead fill that holds this sequence's next mask ...
+        self.mask_row = -1  # ... in this row of its buffer,
+        self.mask_at = -1  # filled after this many accepted tokens
 
     def new_tokens(self, seq: Sequence, pending: int = PENDING) -> list[int]:
         """The output tokens of ``seq`` not accepted yet, up to the first unknown one
@@ -95,22 +103,30 @@ class SequenceGrammar:
     def accept(self, tokens: list[int]) -> None:
         """Advances the matcher over ``tokens`` (a refused token is the sequence's error)."""
         for token in tokens:
-            if self.error is None and not self.matcher.consume_token(token):
-                self.refused(token)
-            self.num_accepted += 1
+            self.accepted(self.error is not None or self.matcher.consume_token(token), token)
 
-    def refused(self, token: int) -> None:
-        self.error = (f"structured_outputs: token {token} is not allowed by the grammar "
-                      f"({self.matcher.get_error()[:200]})")
+    def accepted(self, ok: bool, token: int) -> None:
+        """Counts one token the matcher took (``ok``) or refused."""
+        if not ok and self.error is None:
+            self.error_at = self.num_accepted
+            self.error = (f"structured_outputs: token {token} is not allowed by the grammar "
+                          f"({self.matcher.get_error()[:200]})")
+        self.num_accepted += 1
+        if self.stopped_at < 0 and self.error is None and self.matcher.is_stopped():
+            self.stopped_at = self.num_accepted
 
     def catch_up(self, seq: Sequence, pending: int = PENDING) -> None:
         """Accepts the output tokens of ``seq`` not accepted yet (see :meth:`new_tokens`)."""
         self.accept(self.new_tokens(seq, pending))
 
-    @property
-    def is_stopped(self) -> bool:
-        """The grammar reached an end where nothing but EOS may follow."""
-        return self.matcher.is_stopped()
+    def error_by(self, num_out: int) -> str | None:
+        """The error of the first ``num_out`` output tokens, if one of them was refused."""
+        return self.error if 0 <= self.error_at < num_out else None
+
+    def ended_by(self, num_out: int) -> bool:
+        """Whether the grammar reached an end where nothing but EOS may follow within the
+        first ``num_out`` output tokens."""
+        return 0 <= self.stopped_at <= num_out
 
 
 class StructuredOutputs:
@@ -149,6 +165,13 @@ class StructuredOutputs:
         self._buffers: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._turn = 0
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead: Future | None = None  # the ahead fill running (see advance) ...
+        self._ahead_of: Any = None  # ... after the step of this output
+        self._done: _AheadFill | None = None  # its masks, for the next step_mask
+        self._fills = 0
+        self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
+        self.rows_here = 0
 
     # ------------------------------------------------------------------ compiling
     def submit(self, so: StructuredOutputsParams) -> Future:
@@ -207,6 +230,8 @@ class StructuredOutputs:
             matcher, group = compiled.next_copy(self._tokenizer(), self.fill_threads)
             seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
+        else:
+            self.settle()  # its matcher may be in the ahead fill
         seq.grammar.catch_up(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -215,22 +240,111 @@ class StructuredOutputs:
             self.num_active -= 1
 
     # ------------------------------------------------------------------ masks
+    def advance(self, seqs: list[Sequence], pending_pos: list[int], output: Any) -> None:
+        """Starts the ahead fill of a step just launched: on a thread of its own, once the
+        step's sampled ids are on the host (``output``, its ``AsyncOutput``), the matchers of
+        its constrained rows accept them (row ``r`` sampled the token at ``pending_pos[r]``
+        of ``seqs[r]``) and the masks that follow are filled, while the stepping thread
+        processes outputs, schedules and launches the next forward. Until :meth:`settle`,
+        the stepping thread calls no matcher of these rows (the output processor reads
+        :meth:`SequenceGrammar.error_by` / ``ended_by``, which the ahead fill cannot change
+        for a token it has not accepted)."""
+        self.settle()
+        items = []
+        for r, seq in enumerate(seqs):
+            grammar = seq.grammar
+            if grammar is not None and grammar.error is None:
+                items.append((grammar, r, pending_pos[r] - seq.num_prompt))
+        if items:
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
+            self._ahead = self._ahead_pool.submit(self._advance, items, output)
+            self._ahead_of = output
+
+    def settle(self, output: Any = None) -> None:
+        """Waits for the ahead fill, if one runs (its masks wait for the next step); with
+        ``output``, only for the fill of that step (whose outputs are to be processed: a
+        step that sampled no row did not wait for it)."""
+        if output is not None and output is not self._ahead_of:
+            return
+        future, self._ahead, self._ahead_of = self._ahead, None, None
+        if future is not None:
+            self._done = future.result()
+
+    def _advance(self, items: list, output: Any) -> "_AheadFill | None":
+        tokens = _host_list(output.get().token_ids)
+        singles = [(grammar, tokens[r]) for grammar, r, index in items
+                   if grammar.num_accepted == index]  # at the token its row sampled
+        if not singles:
+            return None
+        accepted = self._fill_executor().consume_token_par(
+            [(grammar.matcher, token) for grammar, token in singles])
+        live = []
+        for (grammar, token), ok in zip(singles, accepted):
+            grammar.accepted(ok, token)
+            if grammar.error is None:
+                live.append(grammar)
+        if len(live) > ROWS_PER_TEMPLATE:  # each fill thread takes a run of one template
+            live.sort(key=lambda grammar: grammar.group)
+        buf = self._buffer()
+        self._fill([(grammar.matcher, j) for j, grammar in enumerate(live)], buf)
+        self._fills += 1
+        for j, grammar in enumerate(live):
+            grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
+                self._fills, j, grammar.num_accepted
+        return _AheadFill(buf, self._fills, len(live))
+
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
         """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
-        device; None when no row is constrained.
+        device; None when no row is constrained. A row the ahead fill left at the state
+        this step samples from takes its mask; the others (new rows, rows back from a
+        preemption, a step without an ahead fill) accept their unaccepted tokens and are
+        filled here.
 
         Args:
             seqs: the step's sampling sequences.
             prev_tokens: a callable giving the previous step's sampled ids as a host array
-                (called only when a constrained row still waits for its last token).
+                (called only when a row filled here still waits for its last token).
         """
+        self.settle()
+        done, self._done = self._done, None
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
-        host_prev = None
-        matchers, singles = [], []
+        turn, base = (done.turn, done.count) if done is not None else (0, 0)
+        source, here = [], []
         for j, r in enumerate(rows):
             seq = seqs[r]
+            grammar = seq.grammar
+            if (grammar.mask_turn == turn and grammar.mask_at == grammar.num_accepted
+                    == len(seq.token_ids) - seq.num_prompt):
+                source.append(grammar.mask_row)
+            else:
+                source.append(base + len(here))
+                here.append(seq)
+        buf = done.buf if done is not None else self._buffer()
+        self.rows_ahead += len(rows) - len(here)
+        self.rows_here += len(here)
+        if here:
+            self._fill_here(here, prev_tokens, buf, base)
+        total = base + len(here)
+        if self.device.type == "cuda":
+            bits = buf[:total].to(self.device, non_blocking=True)
+            self._events[self._turn_of(buf)].record()
+        else:
+            bits = buf[:total].clone()
+        rows_host = np.asarray(rows, dtype=np.int64)
+        if total == len(rows) and source == list(range(total)):
+            return StepBitmask.build(bits, rows_host, len(seqs), self.device)
+        return StepBitmask.build(bits, rows_host, len(seqs), self.device, source=source)
+
+    def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
+                   base: int) -> None:
+        """Accepts the known tokens of ``seqs`` and fills their masks into ``buf`` rows
+        ``base``, ``base + 1``, ... in order."""
+        host_prev = None
+        matchers, singles = [], []
+        for j, seq in enumerate(seqs):
             grammar = seq.grammar
             pending = PENDING
             if seq.num_pending:
@@ -242,28 +356,18 @@ class StructuredOutputs:
                 singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
             else:
                 grammar.accept(todo)
-            matchers.append((grammar.matcher, j))
+            matchers.append((grammar.matcher, base + j))
         # rows of one template next to each other: each thread takes a contiguous run
-        if len(rows) > ROWS_PER_TEMPLATE:
-            groups = [seqs[r].grammar.group for r in rows]
-            matchers = [matchers[j] for j in sorted(range(len(rows)), key=groups.__getitem__)]
+        if len(seqs) > ROWS_PER_TEMPLATE:
+            groups = [seq.grammar.group for seq in seqs]
+            matchers = [matchers[j] for j in sorted(range(len(seqs)), key=groups.__getitem__)]
             singles.sort(key=lambda item: item[0].group)
         if singles:
             accepted = self._fill_executor().consume_token_par(
                 [(grammar.matcher, token) for grammar, token in singles])
             for (grammar, token), ok in zip(singles, accepted):
-                if not ok:
-                    grammar.refused(token)
-                grammar.num_accepted += 1
-        buf = self._buffer(len(rows))
+                grammar.accepted(ok, token)
         self._fill(matchers, buf)
-        if self.device.type == "cuda":
-            bits = buf.to(self.device, non_blocking=True)
-            self._events[self._turn].record()
-        else:
-            bits = buf.clone()
-        return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
-                                 self.device)
 
     def _fill_executor(self) -> Any:
         """llguidance's thread pool of the parallel accept and mask fill."""
@@ -278,24 +382,42 @@ class StructuredOutputs:
 
         llguidance.torch.fill_next_token_bitmask_par(self._fill_executor(), matchers, buf)
 
-    def _buffer(self, rows: int) -> torch.Tensor:
-        """A host buffer ``[rows, words]`` for this step's masks: two pinned buffers taken
-        in turn on CUDA, each reused once its previous upload finished."""
+    def _buffer(self) -> torch.Tensor:
+        """A host buffer ``[rows, words]`` for a step's masks: two pinned buffers taken in
+        turn on CUDA, each reused once its previous upload finished. A step may need a row
+        for each of the previous step's rows (filled ahead) and each of its new ones, so a
+        buffer has twice the rows of a step."""
         if not self._buffers:
             pin = self.device.type == "cuda"
             for _ in range(2 if pin else 1):
-                self._buffers.append(torch.zeros((self.max_num_seqs, self.words),
+                self._buffers.append(torch.zeros((2 * self.max_num_seqs, self.words),
                                                  dtype=torch.int32, pin_memory=pin))
                 self._events.append(torch.cuda.Event() if pin else None)
         self._turn = (self._turn + 1) % len(self._buffers)
         if self._events[self._turn] is not None:
             self._events[self._turn].synchronize()
-        return self._buffers[self._turn][:rows]
+        return self._buffers[self._turn]
+
+    def _turn_of(self, buf: torch.Tensor) -> int:
+        return next(i for i, b in enumerate(self._buffers) if b is buf)
 
     def close(self) -> None:
+        self.settle()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
+            self._ahead_pool = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+@dataclass(slots=True)
+class _AheadFill:
+    """Masks filled ahead: ``buf`` rows ``[0, count)``, fill number ``turn``."""
+
+    buf: torch.Tensor
+    turn: int
+    count: int
 
 
 def _host_list(tokens: Any) -> list[int]:

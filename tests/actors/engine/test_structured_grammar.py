@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,11 +166,25 @@ def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_ma
     structured.close()
 
 
-def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps():
+class _Sampled:
+    """An ``AsyncOutput`` of a step's sampled ids, already on the host."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.token_ids = np.asarray(tokens, dtype=np.int64)
+
+    def get(self) -> "_Sampled":
+        return self
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
+def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps(ahead):
     """Rows of one shared schema (several templates) and of two other constraints
     step as in the engine (the previous step's ids pending, or already applied, or several
     tokens at once, a refused token now and then, rows ending and new ones starting); every
-    mask equals the one of a matcher of the row's own, fed the same tokens one at a time."""
+    mask equals the one of a matcher of the row's own, fed the same tokens one at a time.
+    ``ahead``: after each step the sampled ids go to ``advance``, as the executor does, so
+    most masks come from the ahead fill and the rest (new rows, rows given two tokens, the
+    rows after a refused token) are filled in ``step_mask`` into the same buffer."""
     import numpy as np
 
     from actors.engine.sequence import PENDING, Sequence
@@ -230,6 +245,10 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps():
             seq.num_pending += 1
             seq.pending_row = j
         prev = (rows, drawn)
+        if ahead:  # the engine changes no row before the ahead fill settles
+            structured.advance(seqs, [len(seq.token_ids) - 1 for seq in seqs],
+                               _Sampled(drawn))
+            structured.settle()
         # rows that reached an end with this token, or whose refused token step_mask saw,
         # end; new rows replace them
         ended = [j for j, (seq, ref) in enumerate(rows)
@@ -249,4 +268,8 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps():
                 started += 1
             prev = None
     assert checked > 300 * (n - 8) and started > n + 20 and refused > 3, (started, refused)
+    if ahead:
+        assert structured.rows_ahead > 0.8 * checked and structured.rows_here > n
+    else:
+        assert structured.rows_ahead == 0
     structured.close()

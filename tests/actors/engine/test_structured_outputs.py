@@ -62,7 +62,11 @@ def test_mixed_batch_each_row_its_own_constraint_and_seeded_rows_equal_alone(lla
     requests = [(i, p, _params(KINDS[k], seed=7 + i) if k else
                  SamplingParams(temperature=1.0, max_tokens=20, seed=7 + i, ignore_eos=True))
                 for i, (p, k) in enumerate(zip(prompts, kinds))]
+    structured = llama_engine.structured
+    ahead, here = structured.rows_ahead, structured.rows_here
     mixed = by_id(llama_engine.generate(requests))
+    # most steps' masks were filled while the step before ran (StructuredOutputs.advance)
+    assert structured.rows_ahead - ahead > 2 * (structured.rows_here - here) > 0
     for i, kind in enumerate(kinds):
         out = mixed[(i, 0)]
         if kind is None:
