@@ -19,7 +19,6 @@ or interleaved. Results are rounded to the activations' dtype where the torch op
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from actors.engine.model.kernels import interpreted
 from actors.engine.model.kernels.moe_align import moe_align
 from actors.engine.model.kernels.rounding import round_to
 
@@ -234,10 +234,6 @@ def pick_config(num_pairs: int, num_experts: int) -> TileConfig:
     raise AssertionError("the last entry has no bound")
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     """(expert, output-row, reduction) strides of ``w`` as ``[E, N, K]``."""
     return (w.stride(0), w.stride(2), w.stride(1)) if transposed else w.stride()
@@ -274,7 +270,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     sorted_pairs, block_expert = moe_align(ids, num_experts, bm)
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
-    upcast = _interpreted()  # the interpreter's tl.dot is wrong on bf16/fp16 operands
+    upcast = interpreted()
     h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
     se, sn, sk = _strides(gate_up, layout.transposed)
     up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
