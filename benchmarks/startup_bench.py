@@ -5,8 +5,9 @@ Builds job_bench's model (Qwen2-0.5B-shaped random weights and a trained tokeniz
 toolkit.cli run`` (the ``raygen`` entry point, a fresh local Ray each time) ``--repeats``
 times and reports, per run, seconds from the command's start: the driver's shard plan
 ("shards planned"), the local Ray's start and "Ray ready", each actor's "ready" with the
-startup report it logs (process age at ready, engine import and build phases), the skew
-between the actors' ready times, and end to end.
+startup report it logs (process age at ready, engine import and build phases), the first
+ready less Ray ready (the actors' part, apart from Ray's start), the skew between the actors'
+ready times, and end to end.
 
 ``--trees A,B`` runs every repeat once with each checkout's code (its directory first on
 ``PYTHONPATH``, for the driver and the Ray workers alike), alternating, so two versions are
@@ -69,6 +70,9 @@ def timeline(log: list[tuple[float, str]]) -> dict[str, Any]:
     ready = [a["ready_s"] for a in out["actors"].values()]
     out["first_ready_s"] = min(ready) if ready else None
     out["ready_skew_s"] = max(ready) - min(ready) if ready else None
+    # the actors' own start, without Ray's (whose start varies by whole seconds)
+    out["ray_to_ready_s"] = (out["first_ready_s"] - out["ray_ready_s"]
+                             if ready and "ray_ready_s" in out else None)
     return out
 
 
@@ -150,6 +154,7 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
             "planned_s": _median([r.get("planned_s") for r in later]),
             "ray_ready_s": _median([r.get("ray_ready_s") for r in later]),
             "first_ready_s": _median([r["first_ready_s"] for r in later]),
+            "ray_to_ready_s": _median([r.get("ray_to_ready_s") for r in later]),
             "ready_skew_s": _median([r["ready_skew_s"] for r in later]),
             "process_age_at_ready_s": _median(ages),
             "end_to_end_s": _median([r["end_to_end_s"] for r in later]),
