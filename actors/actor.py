@@ -13,7 +13,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 from actors.engine.engine_config import EngineConfig
 from actors.engine.generation_output import GenerationOutput
@@ -56,16 +57,21 @@ class GenerationActor:
                  *, first_shard: Any = None):
         started = time.perf_counter()
         bytecode = None
-        if _in_ray_actor():
+        in_ray = _in_ray_actor()
+        if in_ray:
             bytecode = cache_bytecode()
             shorten_switch_interval()
-            # one progress bar per actor, forwarded to the driver's terminal, helps nobody
-            from transformers.utils import logging as hf_logging
+        with collector_paused(in_ray):
+            if in_ray:
+                # one progress bar per actor, forwarded to the driver's terminal, helps nobody
+                from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
-        from actors.engine.llm_engine import Engine
-        from actors.shard import ShardPrefetch, warm_up_io
+                hf_logging.disable_progress_bar()
+            from actors.engine.llm_engine import Engine
+            from actors.engine.model.loader import import_transformers
+            from actors.shard import ShardPrefetch, warm_up_io
 
+            import_transformers()
         imported = time.perf_counter()
         self.model = str(model)
         self.engine_config = EngineConfig.coerce(engine_config)
@@ -191,6 +197,27 @@ def params_per_prompt(params: Any, count: int) -> list:
             raise ValueError(f"params: got {len(params)} entries for {count} prompts")
         return list(params)
     return [params] * count
+
+
+@contextmanager
+def collector_paused(enabled: bool = True) -> Iterator[None]:
+    """Runs the block (an actor's imports) with the cyclic garbage collector off, then freezes
+    every object alive (``gc.freeze``) and turns the collector back on. Imports add objects
+    that live as long as the process (modules, classes, functions), which the collector would
+    walk again and again while they grow; frozen, no later collection walks them either. The
+    cyclic garbage the imports left is frozen with them, never freed. ``enabled=False``: the
+    block runs as is."""
+    if not enabled:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def cache_bytecode() -> str | None:

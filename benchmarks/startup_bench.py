@@ -4,8 +4,9 @@ Builds job_bench's model (Qwen2-0.5B-shaped random weights and a trained tokeniz
 ``tiny``) and a small input of its per-row mix, then runs the job through ``python -m
 toolkit.cli run`` (the ``raygen`` entry point, a fresh local Ray each time) ``--repeats``
 times and reports, per run, seconds from the command's start: the driver's shard plan
-("shards planned"), the local Ray's start, each actor's "ready" with the startup report it
-logs (process age at ready, engine import and build phases), the skew between the actors'
+("shards planned"), the local Ray's start and "Ray ready", each actor's "ready" with the
+startup report it logs (process age at ready, engine import and build phases), the first
+ready less Ray ready (the actors' part, apart from Ray's start), the skew between the actors'
 ready times, and end to end.
 
 ``--trees A,B`` runs every repeat once with each checkout's code (its directory first on
@@ -62,11 +63,16 @@ def timeline(log: list[tuple[float, str]]) -> dict[str, Any]:
             out["planned_s"] = t
         elif "starting a local Ray" in line and "ray_start_s" not in out:
             out["ray_start_s"] = t
+        elif "jobs.cluster: Ray ready in" in line and "ray_ready_s" not in out:
+            out["ray_ready_s"] = t
         elif (m := READY.search(line)) and m.group(1) not in out["actors"]:
             out["actors"][m.group(1)] = {"ready_s": t, **startup_phases(m.group(2))}
     ready = [a["ready_s"] for a in out["actors"].values()]
     out["first_ready_s"] = min(ready) if ready else None
     out["ready_skew_s"] = max(ready) - min(ready) if ready else None
+    # the actors' own start, without Ray's (whose start varies by whole seconds)
+    out["ray_to_ready_s"] = (out["first_ready_s"] - out["ray_ready_s"]
+                             if ready and "ray_ready_s" in out else None)
     return out
 
 
@@ -146,7 +152,9 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
         summary[str(tree)] = {
             "runs": len(later),
             "planned_s": _median([r.get("planned_s") for r in later]),
+            "ray_ready_s": _median([r.get("ray_ready_s") for r in later]),
             "first_ready_s": _median([r["first_ready_s"] for r in later]),
+            "ray_to_ready_s": _median([r.get("ray_to_ready_s") for r in later]),
             "ready_skew_s": _median([r["ready_skew_s"] for r in later]),
             "process_age_at_ready_s": _median(ages),
             "end_to_end_s": _median([r["end_to_end_s"] for r in later]),

@@ -30,6 +30,7 @@ def connect(address: str | None) -> None:
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         # worker lines forwarded to a file or a pipe: no colour codes around their prefix
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    started = time.perf_counter()
     if target and target != "local":
         logger.info("connecting to Ray at %s", target)
         ray.init(address=target, logging_level=logging.WARNING)
@@ -40,6 +41,7 @@ def connect(address: str | None) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             _TokenAuthNote())
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+    logger.info("Ray ready in %.1f s", time.perf_counter() - started)
 
 
 def replica_bundles(engine_options: Any, num_gpus_per_actor: float,

@@ -1,5 +1,7 @@
 """The actor process's own settings."""
 
+import contextlib
+import gc
 import sys
 
 import pytest
@@ -34,3 +36,49 @@ def test_the_interval_is_set_only_inside_a_ray_actor(monkeypatch):
     with pytest.raises(OSError):
         actor.GenerationActor("/nonexistent-model-dir", {"device": "cpu"})
     assert calls == [1]
+
+
+def test_collector_paused_freezes_what_the_block_made():
+    """The block runs without the cyclic collector; what it made is frozen afterwards (no
+    later collection walks it) and the collector is on again, also when the block raises."""
+    gc.unfreeze()
+    try:
+        before = gc.get_freeze_count()
+        with actor.collector_paused():
+            assert not gc.isenabled()
+            made = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= before + len(made)
+        with pytest.raises(KeyError), actor.collector_paused():
+            raise KeyError("x")
+        assert gc.isenabled()
+        gc.disable()  # a caller that runs without the collector keeps it off
+        with actor.collector_paused():
+            pass
+        assert not gc.isenabled()
+        gc.enable()
+        gc.unfreeze()
+        with actor.collector_paused(enabled=False):
+            assert gc.isenabled()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_collector_is_paused_only_inside_a_ray_actor(monkeypatch):
+    """The actor's imports run with the collector paused in its own process only."""
+    seen = []
+
+    @contextlib.contextmanager
+    def paused(enabled=True):
+        seen.append(enabled)
+        yield
+
+    monkeypatch.setattr(actor, "collector_paused", paused)
+    monkeypatch.setattr(actor, "shorten_switch_interval", lambda: None)
+    monkeypatch.setattr(actor, "cache_bytecode", lambda: None)
+    for in_ray in (False, True):
+        monkeypatch.setattr(actor, "_in_ray_actor", lambda: in_ray)
+        with pytest.raises(OSError):  # no such model: only the settings before the load matter
+            actor.GenerationActor("/nonexistent-model-dir", {"device": "cpu"})
+    assert seen == [False, True]

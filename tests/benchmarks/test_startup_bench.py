@@ -17,24 +17,30 @@ def startup_bench():
 def test_the_timeline_reads_the_plan_ray_and_each_actors_first_ready(startup_bench):
     log = [(0.5, "INFO jobs.runner: 4 shards planned, 0 already committed"),
            (1.0, "INFO jobs.cluster: starting a local Ray on 127.0.0.1"),
+           (4.5, "INFO jobs.cluster: Ray ready in 3.5 s"),
            (15.0, "INFO jobs.dispatch: actor-0 ready (startup: process age 12.5 s, engine "
                   "import 2.0 s, build transformers import 3.9 s, build cuda graphs 1.3 s)"),
            (16.2, "INFO jobs.dispatch: actor-1 ready (startup: process age 13.1 s, engine "
                   "import 2.2 s)"),
            (30.0, "INFO jobs.dispatch: actor-1 ready (startup: process age 14.0 s)")]  # again
     t = startup_bench.timeline(log)
-    assert t["planned_s"] == 0.5 and t["ray_start_s"] == 1.0
+    assert t["planned_s"] == 0.5 and t["ray_start_s"] == 1.0 and t["ray_ready_s"] == 4.5
     assert t["actors"]["actor-0"] == {"ready_s": 15.0, "process age": 12.5,
                                       "engine import": 2.0, "build transformers import": 3.9,
                                       "build cuda graphs": 1.3}
     assert t["actors"]["actor-1"]["process age"] == 13.1  # a restart is not the startup
     assert t["first_ready_s"] == 15.0 and t["ready_skew_s"] == pytest.approx(1.2)
-    runs = [{"tree": "a", "end_to_end_s": e, "planned_s": 1.0, "first_ready_s": f,
-             "ready_skew_s": 0.0, "actors": {"actor-0": {"process age": age}}}
-            for e, f, age in ((30.0, 20.0, 15.0), (25.0, 16.0, 12.0), (27.0, 18.0, 13.0))]
+    assert t["ray_to_ready_s"] == pytest.approx(10.5)  # the actors' part, after Ray's start
+    assert startup_bench.timeline(log[:2] + log[3:])["ray_to_ready_s"] is None  # no Ray ready
+    runs = [{"tree": "a", "end_to_end_s": e, "planned_s": 1.0, "ray_ready_s": r,
+             "first_ready_s": f, "ray_to_ready_s": f - r, "ready_skew_s": 0.0,
+             "actors": {"actor-0": {"process age": age}}}
+            for e, r, f, age in ((30.0, 5.0, 20.0, 15.0), (25.0, 4.0, 16.0, 12.0),
+                                 (27.0, 3.0, 18.0, 13.0))]
     summary = startup_bench.summarize(runs, [Path("a")])["a"]
     # the first run (it fills the bytecode cache) is left out of the medians
-    assert summary == {"runs": 2, "planned_s": 1.0, "first_ready_s": 17.0,
+    assert summary == {"runs": 2, "planned_s": 1.0, "ray_ready_s": 3.5, "first_ready_s": 17.0,
+                       "ray_to_ready_s": 13.5,
                        "ready_skew_s": 0.0, "process_age_at_ready_s": 12.5,
                        "end_to_end_s": 26.0}
 
@@ -48,8 +54,10 @@ def test_a_cpu_run_reports_each_actors_startup(startup_bench, tmp_path, capsys):
     (run,) = report["runs"]
     assert run["returncode"] == 0 and list(run["actors"]) == ["actor-0"]
     actor = run["actors"]["actor-0"]
-    assert 0 < run["planned_s"] < run["first_ready_s"] == actor["ready_s"] < run["end_to_end_s"]
+    assert 0 < run["planned_s"] < run["ray_ready_s"] < run["first_ready_s"] == actor["ready_s"] \
+        < run["end_to_end_s"]
     assert actor["process age"] > 0 and "build transformers import" in actor
+    assert run["ray_to_ready_s"] == pytest.approx(run["first_ready_s"] - run["ray_ready_s"])
     assert "startup_bench" in capsys.readouterr().out
 
 

@@ -24,7 +24,7 @@ from actors.engine.model.model_support import (
 )
 
 __all__ = ["ATTENTION_NAME", "LoadedModel", "UnsupportedModelError", "check_architecture",
-           "check_model_class", "load_model"]
+           "check_model_class", "import_transformers", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,15 @@ class PhaseTimer:
         self._last = time.perf_counter()
 
 
+def import_transformers() -> None:
+    """Imports the transformers modules every load needs: the Auto classes and
+    ``modeling_utils`` (which brings ``torch.distributed.tensor``, ``torch._dynamo`` and scipy
+    with it), the "transformers_import" phase of a process's first load. A caller may run it
+    ahead of the load (``GenerationActor`` does, with the cyclic collector paused)."""
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
@@ -108,6 +117,7 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         check_fp8_device(device, dtype)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)  # refused here too
 
+    import_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     mark("transformers_import")  # the first load in a process pays for it
