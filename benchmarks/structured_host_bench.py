@@ -2,7 +2,9 @@
 phase, for many rows of one JSON schema over the Qwen vocabulary (CPU only, no model).
 
 N sequences (real ``Sequence`` objects under one ``person_schema()``, compact JSON) run S
-steps the way the engine drives them: each step ``step_mask`` reads the previous step's
+steps through the in-step path (the engine's when a step has no ahead fill, see
+``StructuredOutputs.advance``; the ahead fill runs the same accept and fill calls on its own
+thread): each step ``step_mask`` reads the previous step's
 sampled ids through the pending-token path (``prev_tokens``), accepts them and fills the
 masks; every row then draws one token uniformly among those its mask allows (a seeded numpy
 RNG, so states diverge as under a random model); the previous step's tokens are then applied
