@@ -29,9 +29,10 @@ _LOG2E = 1.4426950408889634
 
 
 def decode_chunk(max_model_len: int, max_splits: int = 16) -> int:
-    """Positions per chunk for contexts up to ``max_model_len``: a power of two, at least 256,
-    so that a row never needs more than ``max_splits`` chunks."""
-    return max(256, triton.next_power_of_2(math.ceil(max_model_len / max_splits)))
+    """Positions per chunk for contexts up to ``max_model_len``: a power of two, at least 512
+    (a grid's chunks past a row's context still take the SMs' turns), so that a row never needs
+    more than ``max_splits`` chunks."""
+    return max(512, triton.next_power_of_2(math.ceil(max_model_len / max_splits)))
 
 
 def decode_attention_reference(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Tensor,
@@ -145,7 +146,7 @@ def _combine_kernel(indptr_ptr, last_ptr, out_ptr, part_ptr, ml_ptr, stride_ob, 
 def decode_attention(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                      chunk: int, max_splits: int, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """Attention of each row's query over its pages (see the module docstring).
 
     Args:
