@@ -26,7 +26,11 @@ New K/V rows are written with ``index_copy_`` at the step's slot mapping (``stor
 pool's rows clamped and cast), then the kernel reads the pages (KV layout NHD:
 ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
 with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
-``k_scale`` / ``v_scale`` (the scale is 1.0). After each wrapper's first (official) ``plan``,
+``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of full-attention
+layers without soft-capping or sinks run :mod:`actors.engine.model.kernels.decode_attention`
+instead (eager and in graphs, over the same page-table buffers; no decode wrapper is built for
+them): FlashInfer's FA2 decode over e4m3 pages runs at ~3x its read floor, slower than over
+bf16 pages. Its chunks are fixed by position, so it is batch-invariant like the rest. After each wrapper's first (official) ``plan``,
 later plans call its compiled module's ``plan`` directly (``flashinfer_plan.replan``): the
 official Python ``plan`` iterates over host tensors with the builtin ``max`` (milliseconds at
 1,000 sequences) and makes blocking copies.
@@ -45,6 +49,7 @@ from actors.engine.model.attention.base import AttentionBackend, LayerSpec, as_l
 from actors.engine.model.attention.csr import PagedCSR, build_csr
 from actors.engine.model.attention.flashinfer_plan import replan
 from actors.engine.model.attention.metadata import AttentionMetadata
+from actors.engine.model.kernels.decode_attention import decode_attention, decode_chunk
 from actors.engine.model.kv_cache import store_rows
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,9 @@ class FlashInferPlan:
     plan_infos: dict[LayerKey, list[int]] = field(default_factory=dict)
     k_rows: torch.Tensor | None = None              # [T] rows of the flattened layer pages
     v_rows: torch.Tensor | None = None
+    # a decode step's page table on the device (indptr, indices, last page lengths), for the
+    # layers whose decode runs the Triton kernel
+    csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -116,7 +124,16 @@ class FlashInferBackend(AttentionBackend):
         self.keys = sorted(set(self.layer_keys.values()))
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = {key: self._prefill_wrapper(key) for key in self.keys}
-        self._decode = {key: self._decode_wrapper(key) for key in self.keys}
+        # decode steps of plain layers over e4m3 pages: the Triton kernel (FlashInfer 0.6.4's
+        # FA2 decode dequantizes them at ~3x the read floor, slower than over bf16 pages)
+        plain = (self.kv_dtype == torch.float8_e4m3fn and self.key_dim == self.value_dim
+                 == kv_cache.layer(0).shape[-1])
+        self.triton_decode = {key for key in self.keys
+                              if plain and key[0] == -1 and not key[2] and not key[3]}
+        self.decode_chunk = decode_chunk(max_model_len)
+        self.decode_splits = -(-max_model_len // self.decode_chunk)
+        self._decode = {key: self._decode_wrapper(key) for key in self.keys
+                        if key not in self.triton_decode}
         self._planned: set[int] = set()   # id() of wrappers that went through plan() once
         self.upload: Uploader = _default_upload
         self._graph_buffers: dict[str, torch.Tensor] = {}
@@ -183,6 +200,7 @@ class FlashInferBackend(AttentionBackend):
         qo_host = torch.from_numpy(metadata.query_start_loc_host)
         decode = metadata.max_query_len == 1
         wrappers = self._decode if decode else self._prefill
+        csr_d = (indptr_d, indices_d, last_d) if decode and self.triton_decode else None
         shape = self._heads()
         for key, wrapper in wrappers.items():
             if id(wrapper) not in self._planned:
@@ -198,7 +216,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper._max_kv_len = metadata.max_seq_len
             replan(wrapper, qo_host, csr, num_rows=metadata.num_tokens,
                    causal=self._is_prefill_kind(wrapper), window_left=key[0], heads=shape)
-        return FlashInferPlan(metadata.slot_mapping, wrappers)
+        return FlashInferPlan(metadata.slot_mapping, wrappers, csr=csr_d)
 
     def begin_forward(self, plan: FlashInferPlan) -> None:
         """Rows of the new tokens' K/V in a layer's flattened pages (captured in graphs)."""
@@ -223,6 +241,9 @@ class FlashInferBackend(AttentionBackend):
             store_rows(flat[:, :, :dk], plan.k_rows, key)
             store_rows(flat[:, :, :dv], plan.v_rows, value)
             kv = (pages[:, 0, :, :, :dk], pages[:, 1, :, :, :dv])
+        if plan.csr is not None and layer_key in self.triton_decode:
+            return decode_attention(query.contiguous(), kv, *plan.csr, layer_key[1],
+                                    chunk=self.decode_chunk, max_splits=self.decode_splits)
         wrapper = plan.wrappers[layer_key]
         if layer_key[3]:  # the sink variant takes the sinks [heads] (float32) and the scale
             return wrapper.run(query.contiguous(), kv, sinks.float(), layer_key[1])
@@ -251,7 +272,11 @@ class FlashInferBackend(AttentionBackend):
         buf["indices"][:len(csr.indices)].copy_(torch.from_numpy(csr.indices))
         last.copy_(torch.from_numpy(csr.last_page_len))
         plan = FlashInferPlan(slot_mapping, {}, bucket=bucket)
+        if self.triton_decode:
+            plan.csr = (indptr, buf["indices"], last)
         for key in self.keys:
+            if key in self.triton_decode:
+                continue
             wrapper = plan.wrappers[key] = self._decode_wrapper(key)
             # device tensors: the wrapper keeps these very buffers (pointers the graph bakes in)
             self._first_plan(wrapper, key, None, indptr, buf["indices"], last)

@@ -146,7 +146,7 @@ def _combine_kernel(indptr_ptr, last_ptr, out_ptr, part_ptr, ml_ptr, stride_ob, 
 def decode_attention(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                      chunk: int, max_splits: int, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     num_warps: int = 2, num_stages: int = 2) -> torch.Tensor:
     """Attention of each row's query over its pages (see the module docstring).
 
     Args:

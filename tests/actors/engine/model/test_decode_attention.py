@@ -46,7 +46,7 @@ def test_equals_the_reference(dtype, heads, kv_heads):
     scale = 16 ** -0.5
     ref = decode_attention_reference(q, pool, indptr, indices, last, scale).float()
     out = decode_attention(q, pool, indptr, indices, last, scale, chunk=16, max_splits=4,
-                           block_n=8)
+                           block_n=16)
     assert out.dtype == q.dtype and out.shape == q.shape
     # bf16 probabilities, values and output (as FlashInfer's kernels): a few bf16 steps
     tol = 1e-2 * max(1.0, ref.abs().max().item())
@@ -54,7 +54,7 @@ def test_equals_the_reference(dtype, heads, kv_heads):
     assert err < tol, (err, tol)
     # one chunk holds every context: no partials, the same function
     whole = decode_attention(q, pool, indptr, indices, last, scale, chunk=64, max_splits=1,
-                             block_n=8)
+                             block_n=16)
     assert (whole.float() - ref).abs().max().item() < tol
 
 
@@ -63,12 +63,12 @@ def test_a_row_is_the_same_alone_as_in_a_batch():
     q, pool, indptr, indices, last = _batch(lengths, 4, 2, 16, torch.bfloat16, seed=1)
     scale = 0.25
     batch = decode_attention(q, pool, indptr, indices, last, scale, chunk=16, max_splits=4,
-                             block_n=8)
+                             block_n=16)
     for b in range(len(lengths)):
         rows = indices[int(indptr[b]):int(indptr[b + 1])]
         alone = decode_attention(q[b:b + 1], pool, torch.tensor([0, len(rows)], dtype=torch.int32,
                                  device=DEVICE), rows, last[b:b + 1], scale, chunk=16,
-                                 max_splits=4, block_n=8)
+                                 max_splits=4, block_n=16)
         assert torch.equal(alone[0], batch[b]), b
 
 
