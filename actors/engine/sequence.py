@@ -90,7 +90,7 @@ class Sequence:
     raw_logprobs: list[float] | None = None          # when request.token_logprobs
     temperature_logprobs: list[float] | None = None
     detok: Any = None
-    grammar: Any = None             # its own actors.engine.structured.SequenceGrammar (constrained)
+    grammar: Any = None             # its own actors.engine.structured_sequence.SequenceGrammar
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None

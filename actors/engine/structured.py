@@ -5,13 +5,14 @@ grammar matcher per sequence, and each step's packed token masks.
 (a cache keyed by its canonical text) on a small thread pool; the scheduler admits the
 request only once its future is done, and a constraint that does not compile becomes the
 request's error before any device work. Each sequence (each of n samples) gets its own
-matcher (:class:`SequenceGrammar`), which accepts the sequence's output tokens in order and
-only once (``num_accepted``), so preemption and recompute never lose or double a token.
-``step_mask`` runs while the step's forward is on the device: it reads the previous step's
-sampled ids (the async copy), advances the matchers (one parallel llguidance call for the
-rows that take one token), fills the masks of the constrained rows in one parallel call into
-a pinned host buffer and uploads it without blocking. Library choice and measurements:
-docs/structured_outputs.md.
+matcher (:class:`~actors.engine.structured_sequence.SequenceGrammar`), which accepts the
+sequence's output tokens in order and only once (``num_accepted``), so preemption and
+recompute never lose or double a token. After a step's sampler launch, ``advance`` starts the
+ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
+matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
+into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
+them, fills the rows the ahead fill did not cover and uploads without blocking. Library choice
+and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
 import numpy as np
@@ -27,106 +28,15 @@ import torch
 
 from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
+from actors.engine.structured_sequence import (
+    ROWS_PER_TEMPLATE,
+    CompiledConstraint,
+    SequenceGrammar,
+)
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-
-ROWS_PER_TEMPLATE = 32  # sequences of one constraint per independent matcher template
-
-
-@dataclass(slots=True)
-class CompiledConstraint:
-    """A compiled constraint: matcher templates to copy per sequence, or why it failed.
-
-    Copies of one llguidance matcher share its lexer and its caches behind a lock, so many
-    rows of one constraint filled in parallel wait on each other; a constraint with many
-    live sequences gets up to one template per fill thread (each compiled from ``grammar``
-    on first need, ~1 ms), and its sequences are spread over them."""
-
-    template: Any = None  # llguidance.LLMatcher in its initial state
-    error: str | None = None
-    grammar: str = ""  # the llguidance grammar text it was compiled from
-    templates: list = field(default_factory=list)  # the templates after ``template``
-    num_started: int = 0  # sequences given a copy so far
-
-    def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
-        """A fresh matcher for one more sequence and the index of its template."""
-        import llguidance
-
-        index = (self.num_started // ROWS_PER_TEMPLATE) % max(1, max_templates)
-        self.num_started += 1
-        if index == 0:
-            return self.template.deep_copy(), 0
-        while len(self.templates) < index:
-            self.templates.append(llguidance.LLMatcher(tokenizer, self.grammar, log_level=0))
-        return self.templates[index - 1].deep_copy(), index
-
-
-class SequenceGrammar:
-    """The matcher of one sequence, how many of its output tokens it accepted, and where its
-    text ended or failed (output token counts, so that a reader behind the matcher sees the
-    answer for the token it is at, whatever the matcher accepted since)."""
-
-    __slots__ = ("matcher", "num_accepted", "error", "error_at", "stopped_at", "group",
-                 "mask_turn", "mask_row", "mask_at")
-
-    def __init__(self, matcher: Any, group: int = 0) -> None:
-        self.matcher = matcher
-        self.num_accepted = 0
-        self.error: str | None = None
-        self.error_at = -1  # the index of the refused output token
-        self.stopped_at = -1  # output tokens after which the grammar ended (-1: not yet)
-        self.group = group  # the template it was copied from (fills go in its order)
-        self.mask_turn = -1  # the ahead fill that holds this sequence's next mask ...
-        self.mask_row = -1  # ... in this row of its buffer,
-        self.mask_at = -1  # filled after this many accepted tokens
-
-    def new_tokens(self, seq: Sequence, pending: int = PENDING) -> list[int]:
-        """The output tokens of ``seq`` not accepted yet, up to the first unknown one
-        (``pending``: the value of a trailing placeholder, when the caller knows it)."""
-        tokens = seq.token_ids
-        start = seq.num_prompt + self.num_accepted
-        if start == len(tokens) - 1 and tokens[start] == PENDING:
-            return [] if pending == PENDING else [pending]  # a decode step's one token
-        out = []
-        for pos in range(start, len(tokens)):
-            token = tokens[pos]
-            if token == PENDING:
-                if pos != len(tokens) - 1 or pending == PENDING:
-                    break
-                token = pending
-            out.append(token)
-        return out
-
-    def accept(self, tokens: list[int]) -> None:
-        """Advances the matcher over ``tokens`` (a refused token is the sequence's error)."""
-        for token in tokens:
-            self.accepted(self.error is not None or self.matcher.consume_token(token), token)
-
-    def accepted(self, ok: bool, token: int) -> None:
-        """Counts one token the matcher took (``ok``) or refused."""
-        if not ok and self.error is None:
-            self.error_at = self.num_accepted
-            self.error = (f"structured_outputs: token {token} is not allowed by the grammar "
-                          f"({self.matcher.get_error()[:200]})")
-        self.num_accepted += 1
-        if self.stopped_at < 0 and self.error is None and self.matcher.is_stopped():
-            self.stopped_at = self.num_accepted
-
-    def catch_up(self, seq: Sequence, pending: int = PENDING) -> None:
-        """Accepts the output tokens of ``seq`` not accepted yet (see :meth:`new_tokens`)."""
-        self.accept(self.new_tokens(seq, pending))
-
-    def error_by(self, num_out: int) -> str | None:
-        """The error of the first ``num_out`` output tokens, if one of them was refused."""
-        return self.error if 0 <= self.error_at < num_out else None
-
-    def ended_by(self, num_out: int) -> bool:
-        """Whether the grammar reached an end where nothing but EOS may follow within the
-        first ``num_out`` output tokens."""
-        return 0 <= self.stopped_at <= num_out
 
 
 class StructuredOutputs:

@@ -140,7 +140,7 @@ def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
 
 def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_masks():
     from actors.engine.sequence import Sequence
-    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from actors.engine.structured_sequence import ROWS_PER_TEMPLATE
     from sampler.ops.token_bitmask import unpack_token_bitmask
     from toolkit.tiny_model import train_tokenizer
 
@@ -188,7 +188,7 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps(ahea
     import numpy as np
 
     from actors.engine.sequence import PENDING, Sequence
-    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from actors.engine.structured_sequence import ROWS_PER_TEMPLATE
     from toolkit.tiny_model import train_tokenizer
 
     tok = train_tokenizer(512)
