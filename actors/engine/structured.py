@@ -187,15 +187,8 @@ class StructuredOutputs:
                    if grammar.num_accepted == index]  # at the token its row sampled
         if not singles:
             return None
-        accepted = self._fill_executor().consume_token_par(
-            [(grammar.matcher, token) for grammar, token in singles])
-        live = []
-        for (grammar, token), ok in zip(singles, accepted):
-            grammar.accepted(ok, token)
-            if grammar.error is None:
-                live.append(grammar)
-        if len(live) > ROWS_PER_TEMPLATE:  # each fill thread takes a run of one template
-            live.sort(key=lambda grammar: grammar.group)
+        self._accept_par(singles)  # (in template order, which the fill keeps)
+        live = [grammar for grammar, _ in singles if grammar.error is None]
         buf = self._buffer()
         self._fill([(grammar.matcher, j) for j, grammar in enumerate(live)], buf)
         self._fills += 1
@@ -240,7 +233,7 @@ class StructuredOutputs:
         total = base + len(here)
         if self.device.type == "cuda":
             bits = buf[:total].to(self.device, non_blocking=True)
-            self._events[self._turn_of(buf)].record()
+            self._events[self._turn].record()  # buf is the buffer taken last (here or ahead)
         else:
             bits = buf[:total].clone()
         rows_host = np.asarray(rows, dtype=np.int64)
@@ -271,13 +264,20 @@ class StructuredOutputs:
         if len(seqs) > ROWS_PER_TEMPLATE:
             groups = [seq.grammar.group for seq in seqs]
             matchers = [matchers[j] for j in sorted(range(len(seqs)), key=groups.__getitem__)]
-            singles.sort(key=lambda item: item[0].group)
         if singles:
-            accepted = self._fill_executor().consume_token_par(
-                [(grammar.matcher, token) for grammar, token in singles])
-            for (grammar, token), ok in zip(singles, accepted):
-                grammar.accepted(ok, token)
+            self._accept_par(singles)
         self._fill(matchers, buf)
+
+    def _accept_par(self, singles: list) -> None:
+        """Each ``(grammar, token)`` of ``singles`` accepts its one token, in one parallel
+        call; with many rows they are first put in template order (in place), so that each
+        thread takes a contiguous run of one template."""
+        if len(singles) > ROWS_PER_TEMPLATE:
+            singles.sort(key=lambda item: item[0].group)
+        accepted = self._fill_executor().consume_token_par(
+            [(grammar.matcher, token) for grammar, token in singles])
+        for (grammar, token), ok in zip(singles, accepted):
+            grammar.accepted(ok, token)
 
     def _fill_executor(self) -> Any:
         """llguidance's thread pool of the parallel accept and mask fill."""
@@ -307,9 +307,6 @@ class StructuredOutputs:
         if self._events[self._turn] is not None:
             self._events[self._turn].synchronize()
         return self._buffers[self._turn]
-
-    def _turn_of(self, buf: torch.Tensor) -> int:
-        return next(i for i, b in enumerate(self._buffers) if b is buf)
 
     def close(self) -> None:
         self.settle()
