@@ -85,13 +85,16 @@ class PhaseTimer:
         self._last = time.perf_counter()
 
 
-def import_transformers() -> None:
-    """Imports the transformers modules every load needs: the Auto classes and
-    ``modeling_utils`` (which brings ``torch.distributed.tensor``, ``torch._dynamo`` and scipy
-    with it), the "transformers_import" phase of a process's first load. A caller may run it
-    ahead of the load (``GenerationActor`` does, with the cyclic collector paused)."""
+def import_transformers() -> tuple[Any, Any, Any]:
+    """Imports the transformers modules every load needs: the Auto classes (returned:
+    ``AutoConfig``, ``AutoModelForCausalLM``, ``AutoTokenizer``) and ``modeling_utils`` (which
+    brings ``torch.distributed.tensor``, ``torch._dynamo`` and scipy with it), the
+    "transformers_import" phase of a process's first load. A caller may run it ahead of the
+    load (``GenerationActor`` does, with the cyclic collector paused)."""
     import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    return AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -117,8 +120,7 @@ def load_model(model: str, config: EngineConfig, *, on_host: bool = False) -> Lo
         check_fp8_device(device, dtype)
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)  # refused here too
 
-    import_transformers()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer = import_transformers()
 
     mark("transformers_import")  # the first load in a process pays for it
     register_attention()
