@@ -236,10 +236,9 @@ class StructuredOutputs:
             self._events[self._turn].record()  # buf is the buffer taken last (here or ahead)
         else:
             bits = buf[:total].clone()
-        rows_host = np.asarray(rows, dtype=np.int64)
-        if total == len(rows) and source == list(range(total)):
-            return StepBitmask.build(bits, rows_host, len(seqs), self.device)
-        return StepBitmask.build(bits, rows_host, len(seqs), self.device, source=source)
+        in_order = total == len(rows) and source == list(range(total))  # nothing to gather
+        return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
+                                 self.device, source=None if in_order else source)
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:

@@ -26,14 +26,15 @@ New K/V rows are written with ``index_copy_`` at the step's slot mapping (``stor
 pool's rows clamped and cast), then the kernel reads the pages (KV layout NHD:
 ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
 with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
-``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of full-attention
-layers without soft-capping or sinks run :mod:`actors.engine.model.kernels.decode_attention`
-instead (eager and in graphs, over the same page-table buffers; no decode wrapper is built for
-them): FlashInfer's FA2 decode over e4m3 pages runs at ~3x its read floor, slower than over
-bf16 pages. Its chunks are fixed by position, so it is batch-invariant like the rest. After each wrapper's first (official) ``plan``,
-later plans call its compiled module's ``plan`` directly (``flashinfer_plan.replan``): the
-official Python ``plan`` iterates over host tensors with the builtin ``max`` (milliseconds at
-1,000 sequences) and makes blocking copies.
+``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of
+full-attention layers without soft-capping or sinks run
+:mod:`actors.engine.model.kernels.decode_attention` instead (eager and in graphs, over the same
+page-table buffers; no decode wrapper is built for them): FlashInfer's FA2 decode over e4m3
+pages runs at ~3x its read floor, slower than over bf16 pages. Its chunks are fixed by
+position, so it is batch-invariant like the rest. After each wrapper's first (official)
+``plan``, later plans call its compiled module's ``plan`` directly
+(``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors with the
+builtin ``max`` (milliseconds at 1,000 sequences) and makes blocking copies.
 """
 
 from __future__ import annotations
