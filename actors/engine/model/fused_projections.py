@@ -1,10 +1,12 @@
 """Fused q/k/v and gate/up projections: one GEMM where transformers' modules run three (two).
 
 :func:`install_fused_projections` finds each module whose ``q_proj``/``k_proj``/``v_proj``
-(``gate_proj``/``up_proj``) are plain ``nn.Linear`` layers of one input width, dtype and
-device, with biases all or none, and whose ``forward`` calls them on one and the same
-argument (read from its source: a cross-attention ``k_proj(states)`` keeps its own code).
-``Fp8Linear`` projections, other layer types and hooked layers are left alone.
+(``gate_proj``/``up_proj``) are all plain ``nn.Linear`` or all ``Fp8Linear`` layers of one
+input width, dtype and device, with biases all or none, and whose ``forward`` calls them on
+one and the same argument (read from its source: a cross-attention ``k_proj(states)`` keeps
+its own code). Other layer types, mixed groups and hooked layers are left alone. An FP8 group
+runs one ``_scaled_mm`` over the input's one quantization, with the layers' per-channel weight
+scales side by side in one buffer (each layer's ``weight_scale`` a view of its columns).
 
 The weights stay addressable by their Hugging Face names: the rows of the group are
 concatenated into one storage and each layer's ``weight`` (``bias``) parameter, the same
@@ -51,12 +53,15 @@ def _version(x: torch.Tensor) -> int:
 class ProjectionGroup:
     """Linear layers of one input fused into one GEMM (see the module docstring)."""
 
-    def __init__(self, layers: list[torch.nn.Linear]):
+    def __init__(self, layers: list[torch.nn.Module]):
         self.layers = layers
         self.sizes = [m.out_features for m in layers]
         self.rows = sum(self.sizes)
         self.in_features = layers[0].in_features
         self.has_bias = layers[0].bias is not None
+        self.fp8 = _is_fp8(layers[0])
+        self.attrs = ("weight",) + (("weight_scale",) if self.fp8 else ()) \
+            + (("bias",) if self.has_bias else ())
         self._key: tuple | None = None  # (input, shape, data_ptr, version) of the cached result
         # (storage pointer, storage bytes, tensor pointers) found tiling one storage
         self._tiled: dict[str, tuple[int, ...]] = {}
@@ -67,25 +72,27 @@ class ProjectionGroup:
 
     # ------------------------------------------------------------------ storage
     def fuse(self) -> None:
-        """Moves the layers' weights (biases) into one storage, each layer's parameter a view."""
-        for attr in ("weight", "bias") if self.has_bias else ("weight",):
-            params = [getattr(m, attr) for m in self.layers]
-            fused = torch.cat([p.data for p in params], 0)
-            for param, view in zip(params, fused.split(self.sizes, 0)):
-                param.data = view
+        """Moves the layers' weights (biases, FP8 weight scales) into one storage, each
+        layer's tensor a view of its rows (of its columns: the ``[1, N]`` scales)."""
+        for attr in self.attrs:
+            tensors = [getattr(m, attr) for m in self.layers]
+            dim = 1 if attr == "weight_scale" else 0
+            fused = torch.cat([t.data for t in tensors], dim)
+            for tensor, view in zip(tensors, fused.split(self.sizes, dim)):
+                tensor.data = view
 
     def unfuse(self) -> None:
         """Gives each layer its own storage again (and its own forward)."""
         for m in self.layers:
-            m.weight.data = m.weight.data.clone()
-            if m.bias is not None:
-                m.bias.data = m.bias.data.clone()
+            for attr in self.attrs:
+                tensor = getattr(m, attr)
+                tensor.data = tensor.data.clone()
             m.__dict__.pop("forward", None)
 
     def _fused(self, attr: str) -> torch.Tensor | None:
         """The group's ``[rows, in]`` weight (``[rows]`` bias) as a view of the layers'
         storage, or None when the layers' tensors no longer tile one storage in order."""
-        tensors = [m._parameters[attr] for m in self.layers]
+        tensors = [getattr(m, attr) for m in self.layers]
         first = tensors[0]
         storage = first.untyped_storage()
         pointers = (storage.data_ptr(), storage.nbytes(), *(t.data_ptr() for t in tensors))
@@ -95,6 +102,8 @@ class ProjectionGroup:
             self._tiled[attr] = pointers
         if attr == "weight":
             return first.as_strided((self.rows, self.in_features), (self.in_features, 1))
+        if attr == "weight_scale":
+            return first.as_strided((1, self.rows), (self.rows, 1))
         return first.as_strided((self.rows,), (1,))
 
     def _tile(self, tensors: list[torch.Tensor], attr: str) -> bool:
@@ -105,7 +114,8 @@ class ProjectionGroup:
             return False
         base, offset = first.untyped_storage().data_ptr(), first.storage_offset()
         for t, size in zip(tensors, self.sizes):
-            shape = (size, self.in_features) if attr == "weight" else (size,)
+            shape = {"weight": (size, self.in_features), "weight_scale": (1, size)}.get(
+                attr, (size,))
             if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
                     or tuple(t.shape) != shape or not t.is_contiguous()
                     or t.dtype != first.dtype):
@@ -116,11 +126,17 @@ class ProjectionGroup:
     # ------------------------------------------------------------------ forward
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """All layers' outputs for ``x`` from one GEMM (views of its result), or None."""
-        weight = self._fused("weight")
-        bias = self._fused("bias") if self.has_bias else None
-        if weight is None or (self.has_bias and bias is None):
+        fused = [self._fused(attr) for attr in self.attrs]
+        if any(t is None for t in fused):
             return None
-        y = F.linear(x, weight, bias)
+        weight, bias = fused[0], fused[-1] if self.has_bias else None
+        if self.fp8:
+            from actors.engine.model.quantization.fp8_linear import fp8_input, fp8_matmul
+
+            y = fp8_matmul(*fp8_input(x, self.in_features), weight, fused[1], bias,
+                           self.layers[0].out_dtype).view(*x.shape[:-1], self.rows)
+        else:
+            y = F.linear(x, weight, bias)
         return tuple(y[..., a:b] for a, b in self._bounds)
 
     def project(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +152,8 @@ class ProjectionGroup:
         outs = self.compute(x)
         if outs is None:  # the storage was changed under us: each layer on its own
             layer = self.layers[index]
+            if self.fp8:
+                return type(layer).forward(layer, x)
             return F.linear(x, layer.weight, layer.bias)
         self._key = (x, x.shape, x.data_ptr(), _version(x))
         self._outs, self._left = outs, set(range(len(self.layers))) - {index}
@@ -157,10 +175,19 @@ class FusedProjections:
         return {"qkv": qkv, "gate_up": len(self.groups) - qkv, "kept": sorted(set(self.kept))}
 
 
+def _is_fp8(layer: Any) -> bool:
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    return type(layer) is Fp8Linear
+
+
 def _fusable(layers: list[Any]) -> str | None:
     """Why these layers cannot be fused (None when they can)."""
-    if any(type(m) is not torch.nn.Linear for m in layers):
-        return "not nn.Linear"
+    if not (all(type(m) is torch.nn.Linear for m in layers)
+            or all(_is_fp8(m) for m in layers)):
+        return "not all nn.Linear or all Fp8Linear"
+    if _is_fp8(layers[0]) and any(m.out_dtype != layers[0].out_dtype for m in layers):
+        return "FP8 layers of different output dtypes"
     if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
            for m in layers):  # a layer of another group too
         return "hooked or replaced forward"
@@ -171,7 +198,7 @@ def _fusable(layers: list[Any]) -> str | None:
     biases = [m.bias is not None for m in layers]
     if any(biases) and not all(biases):
         return "biases on some layers only"
-    if all(biases) and any(m.bias.dtype != first.dtype for m in layers):
+    if all(biases) and any(m.bias.dtype != layers[0].bias.dtype for m in layers):
         return "bias of another dtype"
     return None
 
@@ -230,7 +257,7 @@ def install_fused_projections(model: torch.nn.Module, seed: int = 0) -> FusedPro
             group = ProjectionGroup(layers)
             first = layers[0].weight
             x = torch.randn(5, group.in_features, generator=gen).to(first.device, first.dtype)
-            want = [F.linear(x, m.weight, m.bias) for m in layers]
+            want = [m(x) for m in layers]
             group.fuse()
             got = group.compute(x)
             if got is None or not all(_agree(g, w, 8) for g, w in zip(got, want)):

@@ -131,6 +131,19 @@ def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
         flat.index_copy_(0, rows, values.to(flat.dtype))
 
 
+def store_kv(flat: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """A step's new keys and values into their rows of ``flat`` (:func:`store_rows` each);
+    into an FP8 pool on CUDA in one kernel (``kernels.kv_store``, the same values)."""
+    if flat.dtype == FP8_DTYPE and flat.is_cuda and flat.stride(-1) == 1:
+        from actors.engine.model.kernels.kv_store import store_kv_fp8
+
+        store_kv_fp8(flat, k_rows, v_rows, key, value)
+        return
+    store_rows(flat, k_rows, key)
+    store_rows(flat, v_rows, value)
+
+
 def gather_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``pages[index]`` (advanced indexing on dim 0), FP8 pages gathered as bytes."""
     if pages.dtype == FP8_DTYPE:

@@ -22,8 +22,8 @@ and layers whose keys and values differ in width (MLA: ``head_dim_qk`` 192, ``he
 graph buckets) use that prefill-kind wrapper too (queries of one token), since the decode
 wrapper has one head_dim and no sink variant. Soft-capping (gemma2) is ``logits_soft_cap``.
 
-New K/V rows are written with ``index_copy_`` at the step's slot mapping (``store_rows``: an FP8
-pool's rows clamped and cast), then the kernel reads the pages (KV layout NHD:
+New K/V rows are written with ``index_copy_`` at the step's slot mapping (``store_kv``: an FP8
+pool's rows clamped and cast in one Triton kernel), then the kernel reads the pages (KV layout NHD:
 ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
 with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
 ``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of
@@ -51,7 +51,7 @@ from actors.engine.model.attention.csr import PagedCSR, build_csr
 from actors.engine.model.attention.flashinfer_plan import replan
 from actors.engine.model.attention.metadata import AttentionMetadata
 from actors.engine.model.kernels.decode_attention import decode_attention, decode_chunk
-from actors.engine.model.kv_cache import store_rows
+from actors.engine.model.kv_cache import store_kv, store_rows
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +235,7 @@ class FlashInferBackend(AttentionBackend):
         dk, dv = self.key_dim, self.value_dim
         flat = pages.view(-1, self.num_kv_heads, pages.shape[-1])
         if dk == dv == pages.shape[-1]:
-            store_rows(flat, plan.k_rows, key)
-            store_rows(flat, plan.v_rows, value)
+            store_kv(flat, plan.k_rows, plan.v_rows, key, value)
             kv = pages
         else:  # keys and values as two strided views of equal strides (FlashInfer checks)
             store_rows(flat[:, :, :dk], plan.k_rows, key)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from actors.engine.model.kernels.fp8_quant import (
     FP8_DTYPE,
+    ONE_PASS_COLUMNS,
     quantize_rows_torch,
     row_scale,
     to_e4m3,
@@ -37,24 +38,36 @@ def _silu_product(gate_ptr, up_ptr, offs, mask, dt: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["I"])
-def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
-    """One program per row: the row's amax in a first pass, the quantized product in a second
-    (the same arithmetic, so the same values)."""
-    base = tl.program_id(0).to(tl.int64) * I
+def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, I, gate_row, up_row,
+                         BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row. A row of at most ``BLOCK`` columns is read once and held
+    (``ONE_PASS``); a wider one takes its amax in a first pass and the quantized product in a
+    second (the same arithmetic, so the same values)."""
+    row = tl.program_id(0).to(tl.int64)
+    gate_ptr += row * gate_row
+    up_ptr += row * up_row
+    q_ptr += row * I
     cols = tl.arange(0, BLOCK)
     dt = gate_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, I, BLOCK):
-        mask = start + cols < I
-        amax = tl.maximum(amax, tl.abs(_silu_product(gate_ptr, up_ptr, base + start + cols,
-                                                     mask, dt)))
-    scale = row_scale(tl.max(amax, 0))
-    tl.store(s_ptr + tl.program_id(0), scale)
-    for start in range(0, I, BLOCK):
-        mask = start + cols < I
-        value = _silu_product(gate_ptr, up_ptr, base + start + cols, mask, dt)
-        tl.store(q_ptr + base + start + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty),
-                 mask=mask)
+    if ONE_PASS:
+        mask = cols < I
+        value = _silu_product(gate_ptr, up_ptr, cols, mask, dt)
+        scale = row_scale(tl.max(tl.abs(value), 0))
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, I, BLOCK):
+            mask = start + cols < I
+            amax = tl.maximum(amax, tl.abs(_silu_product(gate_ptr, up_ptr, start + cols,
+                                                         mask, dt)))
+        scale = row_scale(tl.max(amax, 0))
+        tl.store(s_ptr + row, scale)
+        for start in range(0, I, BLOCK):
+            mask = start + cols < I
+            value = _silu_product(gate_ptr, up_ptr, start + cols, mask, dt)
+            tl.store(q_ptr + start + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 @triton.jit
@@ -92,17 +105,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu_mul_fp8_torch`` in one kernel: ``gate``/``up`` ``[T, I]`` (same dtype) ->
-    ``q`` ``[T, I]`` e4m3, ``scale`` ``[T, 1]`` float32; the bf16 product is never stored."""
+    """``silu_mul_fp8_torch`` in one kernel: ``gate``/``up`` ``[T, I]`` (same dtype; rows may
+    be strided, as the two column halves of one gate/up GEMM's output) -> ``q`` ``[T, I]``
+    e4m3, ``scale`` ``[T, 1]`` float32; the bf16 product is never stored."""
     if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate, up: expected two [T, I] tensors of one dtype, got "
                          f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    gate, up = gate.contiguous(), up.contiguous()
     rows, cols = gate.shape
+    gate, up = _rows(gate, cols), _rows(up, cols)
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
     if rows:
-        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
-        _silu_mul_fp8_kernel[(rows,)](gate, up, q, scale, cols, BLOCK=block,
-                                      num_warps=4 if block <= 1024 else 8)
+        block = triton.next_power_of_2(max(cols, 16))
+        one_pass = block <= ONE_PASS_COLUMNS
+        block = min(block, ONE_PASS_COLUMNS if one_pass else 4096)
+        _silu_mul_fp8_kernel[(rows,)](gate, up, q, scale, cols, gate.stride(0), up.stride(0),
+                                      BLOCK=block, ONE_PASS=one_pass,
+                                      num_warps=_warps(block))
     return q, scale
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16

@@ -32,12 +32,32 @@ def attach_fp8_input(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out
 
 
-def _quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda:
+def fp8_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token quantization ``(q [T, K], scale [T, 1])`` of ``x [..., K]``: the one
+    its producer attached, else made here (the standalone kernel on CUDA, the torch oracle
+    elsewhere)."""
+    attached = getattr(x, FP8_INPUT, None)
+    if attached is not None:
+        return attached
+    rows = x.reshape(-1, in_features)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    if rows.is_cuda:
         from actors.engine.model.kernels.fp8_quant import quantize_rows
 
-        return quantize_rows(x)
-    return quantize_rows_torch(x)
+        return quantize_rows(rows)
+    return quantize_rows_torch(rows)
+
+
+def fp8_matmul(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``(q * scale) @ (weight * weight_scale)^T (+ bias)``: e4m3 rows ``[T, K]`` with
+    ``[T, 1]`` scales, an e4m3 weight ``[N, K]`` with ``[1, N]`` scales -> ``[T, N]``."""
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale,
+                           out_dtype=out_dtype)
+    if bias is not None:
+        out += bias
+    return out
 
 
 class Fp8Linear(torch.nn.Module):
@@ -96,18 +116,11 @@ class Fp8Linear(torch.nn.Module):
 
     def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``[T, K]`` e4m3 rows with ``[T, 1]`` scales -> ``[T, N]`` in ``out_dtype``."""
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale,
-                               out_dtype=self.out_dtype)
-        if self.bias is not None:
-            out += self.bias
-        return out
+        return fp8_matmul(q, scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attached = getattr(x, FP8_INPUT, None)
-        if attached is None:
-            rows = x.reshape(-1, self.in_features)
-            attached = _quantize_input(rows if rows.stride(-1) == 1 else rows.contiguous())
-        return self.matmul(*attached).view(*x.shape[:-1], self.out_features)
+        out = self.matmul(*fp8_input(x, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

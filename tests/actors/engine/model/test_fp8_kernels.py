@@ -60,7 +60,7 @@ def test_oracle_scale_math_and_round_trip():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 16), (5, 96), (3, 896), (2, 5000)])
+@pytest.mark.parametrize("shape", [(1, 16), (5, 96), (3, 896), (2, 5000), (2, 16500)])
 def test_quantize_rows_equals_torch(dtype, shape):
     gen = torch.Generator().manual_seed(shape[1])
     x = (torch.randn(*shape, generator=gen) * 3).to(DEVICE, dtype)
@@ -112,12 +112,22 @@ def test_rms_norm_fp8_equals_torch(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 16), (5, 200), (3, 4864), (2, 9000)])
+@pytest.mark.parametrize("shape", [(1, 16), (5, 200), (3, 4864), (2, 9000), (2, 16500)])
 def test_silu_mul_fp8_equals_torch(dtype, shape):
     gen = torch.Generator().manual_seed(shape[1] + 1)
     gate = (torch.randn(*shape, generator=gen) * 4).to(DEVICE, dtype)
     up = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
     _assert_quantized_equal(*silu_mul_fp8(gate, up), *silu_mul_fp8_torch(gate, up))
+
+
+@pytest.mark.parametrize("inner", [200, 16500])  # one pass, two passes
+def test_silu_mul_fp8_reads_the_halves_of_one_gate_up_output_in_place(inner):
+    gen = torch.Generator().manual_seed(inner)
+    gate_up = (torch.randn(3, 2 * inner, generator=gen) * 4).to(DEVICE, torch.bfloat16)
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    assert gate.stride(0) == 2 * inner
+    _assert_quantized_equal(*silu_mul_fp8(gate, up),
+                            *silu_mul_fp8_torch(gate.contiguous(), up.contiguous()))
 
 
 def test_silu_mul_fp8_refuses_mismatched_inputs():

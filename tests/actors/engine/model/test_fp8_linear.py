@@ -144,8 +144,11 @@ def _other_model(path: str, seed: int, out: str) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
 
 
-def test_update_weights_requantizes_bf16_tensors_in_place(tiny_llama, tmp_path, emulate_fp8):
-    options = {"device": "cpu", "dtype": "bfloat16", "quantization": "fp8"}
+@pytest.mark.parametrize("fused", [False, True])  # fused: one GEMM for q/k/v, gate/up
+def test_update_weights_requantizes_bf16_tensors_in_place(tiny_llama, tmp_path, emulate_fp8,
+                                                          fused):
+    options = {"device": "cpu", "dtype": "bfloat16", "quantization": "fp8",
+               "fused_projections": fused}
     engine = make_engine(tiny_llama, **options)
     spec = engine.weights.spec()
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -171,11 +174,13 @@ def test_update_weights_requantizes_bf16_tensors_in_place(tiny_llama, tmp_path, 
         engine.update_weights({name: torch.zeros(64, 32, dtype=torch.bfloat16)})
 
 
+@pytest.mark.parametrize("fused", [False, True])
 def test_sleep_level_2_frees_the_fp8_weights_and_update_weights_refills_them(
-        tiny_llama, emulate_fp8):
+        tiny_llama, emulate_fp8, fused):
     import safetensors.torch
 
-    engine = make_engine(tiny_llama, device="cpu", dtype="bfloat16", quantization="fp8")
+    engine = make_engine(tiny_llama, device="cpu", dtype="bfloat16", quantization="fp8",
+                         fused_projections=fused)
     prompts = random_prompts([6, 11], 500, seed=4)
     before = engine.generate([(i, p, GREEDY) for i, p in enumerate(prompts)])
     freed = engine.sleep(level=2)
@@ -189,3 +194,16 @@ def test_sleep_level_2_frees_the_fp8_weights_and_update_weights_refills_them(
     after = engine.generate([(i, p, GREEDY) for i, p in enumerate(prompts)])
     assert [o.output_token_ids for o in after] == [o.output_token_ids for o in before]
     assert [o.prompt_logprobs for o in after] == [o.prompt_logprobs for o in before]
+
+
+def test_fused_fp8_projections_give_the_outputs_of_the_layers_alone(tiny_llama, emulate_fp8):
+    prompts = random_prompts([6, 19, 9], 500, seed=8)
+    outs = []
+    for fused in (False, True):
+        engine = make_engine(tiny_llama, device="cpu", dtype="bfloat16", quantization="fp8",
+                             fused_projections=fused)
+        outs.append(engine.generate([(i, p, GREEDY) for i, p in enumerate(prompts)]))
+        engine.close()
+    assert engine.info()["fused_projections"]["qkv"] == 2  # the second engine's, fused
+    assert [o.output_token_ids for o in outs[0]] == [o.output_token_ids for o in outs[1]]
+    assert [o.prompt_logprobs for o in outs[0]] == [o.prompt_logprobs for o in outs[1]]

@@ -167,7 +167,7 @@ class _Mlp(torch.nn.Module):
 
 @pytest.mark.parametrize("module,why", [
     (_CrossAttention(), "forward does not call them on one input"),
-    (_Mlp(_OwnLinear), "not nn.Linear"),
+    (_Mlp(_OwnLinear), "not all nn.Linear or all Fp8Linear"),
     (_Mlp(bias=(True, False)), "biases on some layers only"),
 ])
 def test_layouts_that_are_not_fused_keep_their_layers(module, why):
@@ -178,14 +178,61 @@ def test_layouts_that_are_not_fused_keep_their_layers(module, why):
     assert all("forward" not in m.__dict__ for m in module.modules())
 
 
-def test_fp8_projections_are_not_fused():
+def _fp8_mlp(seed: int = 0, bias: tuple = (True, True)) -> torch.nn.Module:
+    from actors.engine.model.quantization.fp8_linear import Fp8Linear
+
+    torch.manual_seed(seed)
+    mlp = _Mlp(bias=bias).to(torch.bfloat16)
+    mlp.gate_proj = Fp8Linear.from_linear(mlp.gate_proj)
+    mlp.up_proj = Fp8Linear.from_linear(mlp.up_proj)
+    return mlp
+
+
+def _scaled_mms(monkeypatch) -> list[tuple[int, ...]]:
+    calls: list[tuple[int, ...]] = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm",
+                        lambda a, b, **kw: calls.append(tuple(b.shape)) or real(a, b, **kw))
+    return calls
+
+
+def test_fp8_projections_run_one_scaled_mm_with_their_scales_side_by_side(monkeypatch):
+    mlp, own = _fp8_mlp(), _fp8_mlp()
+    fused = install_fused_projections(torch.nn.Sequential(mlp))
+    assert len(fused.groups) == 1 and not fused.kept
+    gate, up = mlp.gate_proj, mlp.up_proj
+    for attr in ("weight", "weight_scale", "bias"):  # views of one storage each
+        assert getattr(gate, attr).untyped_storage().data_ptr() == \
+            getattr(up, attr).untyped_storage().data_ptr()
+    calls = _scaled_mms(monkeypatch)
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(mlp(x), own(x))
+        assert calls == [(8, 12)] + [(8, 6)] * 2  # one GEMM for both; each of own's
+        # an input quantized by its producer is taken as is
+        from actors.engine.model.quantization.fp8_linear import attach_fp8_input
+        from actors.engine.model.quantization.fp8_math import quantize_rows_torch
+
+        y = torch.randn(4, 8).to(torch.bfloat16)
+        q, scale = quantize_rows_torch(y * 2)
+        want = own.gate_proj(attach_fp8_input(y.clone(), q, scale))
+        assert torch.equal(gate(attach_fp8_input(y, q, scale)), want)
+        # bf16 weights re-quantized in place reach the fused GEMM
+        w = torch.randn(6, 8).to(torch.bfloat16) * 3
+        for m in (mlp, own):
+            m.up_proj.load_weight(w)
+        calls.clear()
+        assert torch.equal(mlp(x), own(x)) and calls[0] == (8, 12)
+        assert torch.equal(up.weight_scale, own.up_proj.weight_scale)
+
+
+def test_fp8_and_plain_layers_are_not_fused_together():
     from actors.engine.model.quantization.fp8_linear import Fp8Linear
 
     module = _Mlp()
     module.gate_proj = Fp8Linear.from_linear(module.gate_proj)
-    module.up_proj = Fp8Linear.from_linear(module.up_proj)
     fused = install_fused_projections(torch.nn.Sequential(module))
-    assert not fused.groups and fused.kept[0].endswith("not nn.Linear")
+    assert not fused.groups and fused.kept[0].endswith("not all nn.Linear or all Fp8Linear")
 
 
 def test_each_call_gets_its_own_inputs_projection():
