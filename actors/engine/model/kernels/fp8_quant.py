@@ -25,10 +25,6 @@ from actors.engine.model.quantization.fp8_math import (  # noqa: F401  (the orac
     quantize_rows_torch,
 )
 
-#: rows up to this many columns are read once and held in registers; wider rows take two
-#: passes (their amax, then their values)
-ONE_PASS_COLUMNS = 16384
-
 
 @triton.jit
 def quantize_e4m3(x):
@@ -57,33 +53,21 @@ def to_e4m3(x, scale, dtype: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["K"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr):
-    """One program per row: read once when the row fits ``BLOCK`` (``ONE_PASS``), else its
-    amax in a first pass and its values in a second."""
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_ptr += row * stride_x
-    q_ptr += row * stride_q
     cols = tl.arange(0, BLOCK)
-    if ONE_PASS:
-        mask = cols < K
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(x), 0))
-        tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + cols, to_e4m3(x, scale, q_ptr.dtype.element_ty), mask=mask)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, K, BLOCK):
-            mask = start + cols < K
-            x = tl.load(x_ptr + start + cols, mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = row_scale(tl.max(amax, 0))
-        tl.store(s_ptr + row, scale)
-        for start in range(0, K, BLOCK):
-            mask = start + cols < K
-            x = tl.load(x_ptr + start + cols, mask=mask, other=0.0)
-            tl.store(q_ptr + start + cols, to_e4m3(x.to(tl.float32), scale,
-                                                   q_ptr.dtype.element_ty), mask=mask)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        mask = start + cols < K
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = row_scale(tl.max(amax, 0))
+    tl.store(s_ptr + row, scale)
+    for start in range(0, K, BLOCK):
+        mask = start + cols < K
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        tl.store(q_ptr + row * stride_q + start + cols,
+                 to_e4m3(x.to(tl.float32), scale, q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,11 +85,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        block = triton.next_power_of_2(max(cols, 16))
-        one_pass = block <= ONE_PASS_COLUMNS
-        block = min(block, ONE_PASS_COLUMNS if one_pass else 4096)
+        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0),
-                                       BLOCK=block, ONE_PASS=one_pass,
-                                       num_warps=4 if block <= 1024 else 8 if block <= 4096
-                                       else 16)
+                                       BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q, scale

@@ -10,12 +10,15 @@ import triton.language as tl
 
 from actors.engine.model.kernels.fp8_quant import (
     FP8_DTYPE,
-    ONE_PASS_COLUMNS,
     quantize_rows_torch,
     row_scale,
     to_e4m3,
 )
 from actors.engine.model.kernels.rounding import round_to
+
+#: rows up to this many columns are read once and held in registers (the product quantized
+#: from them); wider rows take two passes
+ONE_PASS_COLUMNS = 16384
 
 
 def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
