@@ -1,6 +1,8 @@
 """The gated-SiLU product of Llama-family MLPs: ``silu(gate) * up``, rounded to the input dtype
 after the SiLU and after the product as the two torch ops do; ``silu_mul_fp8`` quantizes the
-(rounded) product per token to e4m3 in the same kernel, for an FP8 ``down_proj``."""
+(rounded) product per token to e4m3 for an FP8 ``down_proj`` in two kernels over blocks of
+columns (each block's amax; then each block quantized with its row's scale), so a row's work
+spreads over the GPU."""
 
 from __future__ import annotations
 
@@ -15,10 +17,6 @@ from actors.engine.model.kernels.fp8_quant import (
     to_e4m3,
 )
 from actors.engine.model.kernels.rounding import round_to
-
-#: rows up to this many columns are read once and held in registers (the product quantized
-#: from them); wider rows take two passes
-ONE_PASS_COLUMNS = 16384
 
 
 def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -41,36 +39,32 @@ def _silu_product(gate_ptr, up_ptr, offs, mask, dt: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["I"])
-def _silu_mul_fp8_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, I, gate_row, up_row,
-                         BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row. A row of at most ``BLOCK`` columns is read once and held
-    (``ONE_PASS``); a wider one takes its amax in a first pass and the quantized product in a
-    second (the same arithmetic, so the same values)."""
+def _silu_amax_kernel(gate_ptr, up_ptr, part_ptr, I, gate_row, up_row, BLOCK: tl.constexpr,
+                      NBLK: tl.constexpr):
+    """Programs ``(row, block of I)``: the block's largest |product|."""
     row = tl.program_id(0).to(tl.int64)
-    gate_ptr += row * gate_row
-    up_ptr += row * up_row
-    q_ptr += row * I
-    cols = tl.arange(0, BLOCK)
-    dt = gate_ptr.dtype.element_ty
-    if ONE_PASS:
-        mask = cols < I
-        value = _silu_product(gate_ptr, up_ptr, cols, mask, dt)
-        scale = row_scale(tl.max(tl.abs(value), 0))
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    value = _silu_product(gate_ptr + row * gate_row, up_ptr + row * up_row, cols, cols < I,
+                          gate_ptr.dtype.element_ty)
+    tl.store(part_ptr + row * NBLK + tl.program_id(1), tl.max(tl.abs(value), 0))
+
+
+@triton.jit(do_not_specialize=["I"])
+def _silu_quant_kernel(gate_ptr, up_ptr, part_ptr, q_ptr, s_ptr, I, gate_row, up_row,
+                       BLOCK: tl.constexpr, NBLK: tl.constexpr):
+    """Programs ``(row, block of I)``: the row's scale from its blocks' amax, the block's
+    product (the same arithmetic again, so the same values) quantized with it."""
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.arange(0, NBLK)
+    amax = tl.load(part_ptr + row * NBLK + blocks, mask=blocks < tl.num_programs(1), other=0.0)
+    scale = row_scale(tl.max(amax, 0))
+    if tl.program_id(1) == 0:
         tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty), mask=mask)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, I, BLOCK):
-            mask = start + cols < I
-            amax = tl.maximum(amax, tl.abs(_silu_product(gate_ptr, up_ptr, start + cols,
-                                                         mask, dt)))
-        scale = row_scale(tl.max(amax, 0))
-        tl.store(s_ptr + row, scale)
-        for start in range(0, I, BLOCK):
-            mask = start + cols < I
-            value = _silu_product(gate_ptr, up_ptr, start + cols, mask, dt)
-            tl.store(q_ptr + start + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty),
-                     mask=mask)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    value = _silu_product(gate_ptr + row * gate_row, up_ptr + row * up_row, cols, mask,
+                          gate_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * I + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,7 +102,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu_mul_fp8_torch`` in one kernel: ``gate``/``up`` ``[T, I]`` (same dtype; rows may
+    """``silu_mul_fp8_torch`` in two kernels: ``gate``/``up`` ``[T, I]`` (same dtype; rows may
     be strided, as the two column halves of one gate/up GEMM's output) -> ``q`` ``[T, I]``
     e4m3, ``scale`` ``[T, 1]`` float32; the bf16 product is never stored."""
     if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype:
@@ -119,14 +113,15 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, to
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
     if rows:
-        block = triton.next_power_of_2(max(cols, 16))
-        one_pass = block <= ONE_PASS_COLUMNS
-        block = min(block, ONE_PASS_COLUMNS if one_pass else 4096)
-        _silu_mul_fp8_kernel[(rows,)](gate, up, q, scale, cols, gate.stride(0), up.stride(0),
-                                      BLOCK=block, ONE_PASS=one_pass,
-                                      num_warps=_warps(block))
+        block = min(triton.next_power_of_2(max(cols, 16)), 2048)
+        blocks = triton.cdiv(cols, block)
+        nblk = triton.next_power_of_2(blocks)
+        part = torch.empty((rows, nblk), dtype=torch.float32, device=gate.device)
+        args = (cols, gate.stride(0), up.stride(0))
+        warps = 4 if block <= 1024 else 8
+        _silu_amax_kernel[(rows, blocks)](gate, up, part, *args, BLOCK=block, NBLK=nblk,
+                                          num_warps=warps)
+        _silu_quant_kernel[(rows, blocks)](gate, up, part, q, scale, *args, BLOCK=block,
+                                           NBLK=nblk, num_warps=warps)
     return q, scale
 
-
-def _warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
