@@ -118,7 +118,7 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     structured = st.StructuredOutputs(tok, vocab_size=args.vocab_size, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
-                                      fill_threads=threads)
+                                      fill_threads=threads, max_templates=args.max_templates)
     spans: list = []
     executor_class = llguidance.LLExecutor
     # every executor step_mask makes records its calls
@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", default="2", help="fill threads, a comma list: a run each")
     p.add_argument("--rows-per-template", type=int, default=None,
                    help="rows of one matcher template (default: the engine's)")
+    p.add_argument("--max-templates", type=int, default=None,
+                   help="the most templates of the schema (default: the engine's, one a "
+                        "fill thread)")
     p.add_argument("--reps", type=int, default=5, help="repeats of each raw fill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, help="write the first run's cProfile here")
@@ -314,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "
                   f"{r['after_token_ms']:.2f} ms")
     out = {"rows": args.rows, "steps": args.steps, "rows_per_template": args.rows_per_template,
+           "max_templates": args.max_templates,
            "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

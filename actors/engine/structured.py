@@ -47,13 +47,14 @@ class StructuredOutputs:
         max_num_seqs: the most rows a step samples.
         num_threads: compile threads.
         fill_threads: threads of the parallel accept and mask fill (default: the cores this
-            process may run on less two, 2 to 16); a constraint shared by many sequences
-            gets up to this many matcher templates.
+            process may run on less two, 2 to 16).
+        max_templates: the most matcher templates of a constraint shared by many sequences
+            (default: ``fill_threads``).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
                  device: torch.device, max_num_seqs: int, num_threads: int = 2,
-                 fill_threads: int | None = None) -> None:
+                 fill_threads: int | None = None, max_templates: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -61,6 +62,7 @@ class StructuredOutputs:
         self.max_num_seqs = max_num_seqs
         self.num_threads = max(1, num_threads)
         self.fill_threads = fill_threads or max(2, min(16, usable_cpus() - 2))
+        self.max_templates = max_templates or self.fill_threads
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
         self._pool: ThreadPoolExecutor | None = None
@@ -133,7 +135,7 @@ class StructuredOutputs:
         kept through a preemption up to its known tokens."""
         if seq.grammar is None:
             compiled: CompiledConstraint = seq.request.grammar.result()
-            matcher, group = compiled.next_copy(self._tokenizer(), self.fill_threads)
+            matcher, group = compiled.next_copy(self._tokenizer(), self.max_templates)
             seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
         else:
@@ -142,6 +144,7 @@ class StructuredOutputs:
 
     def release(self, seq: Sequence) -> None:
         if seq.grammar is not None:
+            seq.request.grammar.result().release(seq.grammar.group)
             seq.grammar = None
             self.num_active -= 1
 
