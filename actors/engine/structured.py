@@ -11,13 +11,17 @@ recompute never lose or double a token. After a step's sampler launch, ``advance
 ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
 matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
 into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
-them, fills the rows the ahead fill did not cover and uploads without blocking. Library choice
-and measurements: docs/structured_outputs.md.
+them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
+thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
+while an ahead fill thread exists the process's GIL switch interval is at most
+``AHEAD_SWITCH_INTERVAL_S`` (restored by ``close``). Library choice and measurements:
+docs/structured_outputs.md.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
@@ -33,6 +37,11 @@ from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# A thread waiting for the GIL gets it after the holder's switch interval (5 ms by default):
+# the ahead fill waits for it after its accept and its fill, while the stepping thread
+# processes outputs and schedules, and the next step waits for the ahead fill.
+AHEAD_SWITCH_INTERVAL_S = 0.0005
 
 
 class StructuredOutputs:
@@ -74,6 +83,7 @@ class StructuredOutputs:
         self._events: list[Any] = []
         self._turn = 0
         self._ahead_pool: ThreadPoolExecutor | None = None
+        self._switch_interval = 0.0  # the GIL switch interval before the ahead fill's thread
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
         self._ahead_of: Any = None  # ... after the step of this output
         self._done: _AheadFill | None = None  # its masks, for the next step_mask
@@ -167,6 +177,9 @@ class StructuredOutputs:
         if items:
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
+                self._switch_interval = sys.getswitchinterval()
+                if self._switch_interval > AHEAD_SWITCH_INTERVAL_S:
+                    sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
             self._ahead = self._ahead_pool.submit(self._advance, items, output)
             self._ahead_of = output
 
@@ -333,6 +346,8 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
+            if sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S < self._switch_interval:
+                sys.setswitchinterval(self._switch_interval)  # as it was, unless changed since
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

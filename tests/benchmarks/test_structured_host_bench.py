@@ -35,3 +35,15 @@ def test_rows_per_template_sets_the_templates_and_is_restored():
     assert result["rows_per_template"] == 3
     assert result["runs"][0]["templates"] == 2
     assert result["runs"][0]["template_max_over_mean"] == 1.0
+
+
+def test_the_ahead_fill_gives_the_in_step_masks_and_times_its_wait():
+    bench = load_benchmark("structured_host_bench")
+    args = ["--tokenizer", "tiny", "--rows", "40", "--steps", "6", "--threads", "2",
+            "--reps", "1"]
+    in_step = bench.main(args)["runs"][0]
+    ahead = bench.main(args + ["--ahead-host-ms", "1"])["runs"][0]
+    assert ahead["mask_sha256"] == in_step["mask_sha256"]
+    assert ahead["ahead"]["median_ms"] > 0 and "settle" in ahead
+    assert "ahead" not in in_step and "settle" not in in_step
+    assert ahead["steps"] == in_step["steps"] == 6

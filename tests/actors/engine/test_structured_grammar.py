@@ -327,3 +327,30 @@ def test_a_sampled_token_that_ends_the_grammar_is_the_stop_of_its_row(ahead):
                                [len(seqs[j].token_ids) - 1 for j in sampled], _Sampled(prev))
     assert [seq.grammar.stopped_at for seq in seqs] == [len(t) for t in ids]
     structured.close()
+
+
+def test_the_ahead_fill_shortens_the_gil_switch_interval_until_close():
+    import sys
+
+    from actors.engine.sequence import PENDING, Sequence
+    from actors.engine.structured import AHEAD_SWITCH_INTERVAL_S
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
+                                       device=torch.device("cpu"), max_num_seqs=2)
+        seq = Sequence(_request(structured, SO(regex="(ab)+")), 0, [1])
+        structured.start(seq)
+        structured.step_mask([seq], prev_tokens=None)
+        assert sys.getswitchinterval() == 0.005  # no ahead fill yet
+        seq.token_ids.append(PENDING)
+        seq.num_pending, seq.pending_row = 1, 0
+        structured.advance([seq], [1], _Sampled(tok.encode("ab", add_special_tokens=False)))
+        assert sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S
+        structured.close()
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        sys.setswitchinterval(before)
