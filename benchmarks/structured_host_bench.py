@@ -147,7 +147,10 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     structured = st.StructuredOutputs(tok, vocab_size=args.vocab_size, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
-                                      fill_threads=threads, max_templates=args.max_templates)
+                                      fill_threads=threads,
+                                      # (left out unless given: earlier versions lack it)
+                                      **({"max_templates": args.max_templates}
+                                         if args.max_templates else {}))
     spans: list = []
     executor_class = llguidance.LLExecutor
     # every executor step_mask makes records its calls
