@@ -260,7 +260,8 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     structured.settle()
     if prev is not None:  # the last step's ids in place (the raw fills replay the tokens)
         for seq, pos, token in zip(*prev):
-            seq.token_ids[pos] = int(token)
+            if pos < len(seq.token_ids) and seq.token_ids[pos] == PENDING:
+                seq.token_ids[pos] = int(token)
     live = [s for s in running if s.grammar is not None]
     result = {"threads": threads, "steps": len(times["total"]), "finished": finished,
               "live_rows": len(live), "mask_sha256": digest.hexdigest()[:16],
