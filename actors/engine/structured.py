@@ -14,7 +14,7 @@ into a pinned host buffer, while the stepping thread goes on; the next ``step_ma
 them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
 thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
 while an ahead fill thread exists the process's GIL switch interval is at most
-``AHEAD_SWITCH_INTERVAL_S`` (restored by ``close``). Library choice and measurements:
+``AHEAD_SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library choice and measurements:
 docs/structured_outputs.md.
 """
 
@@ -42,6 +42,26 @@ logger = logging.getLogger(__name__)
 # the ahead fill waits for it after its accept and its fill, while the stepping thread
 # processes outputs and schedules, and the next step waits for the ahead fill.
 AHEAD_SWITCH_INTERVAL_S = 0.0005
+_switch = {"users": 0, "before": 0.0}  # StructuredOutputs with an ahead thread; the interval
+_switch_lock = threading.Lock()  # before the first of them
+
+
+def _shorten_switch_interval() -> None:
+    with _switch_lock:
+        if _switch["users"] == 0:
+            _switch["before"] = sys.getswitchinterval()
+            if _switch["before"] > AHEAD_SWITCH_INTERVAL_S:
+                sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
+        _switch["users"] += 1
+
+
+def _restore_switch_interval() -> None:
+    """As it was before the first ahead thread, once the last one ended (unless changed)."""
+    with _switch_lock:
+        _switch["users"] -= 1
+        if (_switch["users"] == 0 and _switch["before"] > AHEAD_SWITCH_INTERVAL_S
+                and sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S):
+            sys.setswitchinterval(_switch["before"])
 
 
 class StructuredOutputs:
@@ -83,7 +103,6 @@ class StructuredOutputs:
         self._events: list[Any] = []
         self._turn = 0
         self._ahead_pool: ThreadPoolExecutor | None = None
-        self._switch_interval = 0.0  # the GIL switch interval before the ahead fill's thread
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
         self._ahead_of: Any = None  # ... after the step of this output
         self._done: _AheadFill | None = None  # its masks, for the next step_mask
@@ -177,9 +196,7 @@ class StructuredOutputs:
         if items:
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-                self._switch_interval = sys.getswitchinterval()
-                if self._switch_interval > AHEAD_SWITCH_INTERVAL_S:
-                    sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
+                _shorten_switch_interval()
             self._ahead = self._ahead_pool.submit(self._advance, items, output)
             self._ahead_of = output
 
@@ -346,8 +363,7 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
-            if sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S < self._switch_interval:
-                sys.setswitchinterval(self._switch_interval)  # as it was, unless changed since
+            _restore_switch_interval()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
