@@ -18,15 +18,15 @@ call (``book``), its accepts and fills (each from the first such call's start to
 one's end), both together (``par``), what follows them (``post``: accept results, the mask
 copy, a clone on CPU, and the step's ``StepBitmask``), the ``total``, the host work in it
 outside the llguidance calls, the mask copy (and gather, on the device under CUDA) and the
-wait for the ahead fill (``serial``: what more fill threads do not shorten), and the output processing after it; with the ahead fill
-also the wait for it in ``step_mask`` (``settle``) and its own time on its thread (``ahead``:
-the sampled ids' accept and the next masks' fill). Then the raw library rate at the rows'
-final states: the fill alone over the run's own matchers, and over the same states held by
-independent matchers, by copies of one matcher, and by templates of ``--rows-per-template``
-rows. ``mask_sha256`` digests every step's masks (equal across thread counts, the two paths
-and code versions that give the same masks); ``template_max_over_mean``: the live rows of the
-busiest matcher template over the mean (median over the steps); ``templates``: the most
-matcher templates in use at a step.
+wait for the ahead fill (``serial``: what more fill threads do not shorten), and the output
+processing after it; with the ahead fill also the wait for it in ``step_mask`` (``settle``)
+and its own time on its thread (``ahead``: the sampled ids' accept and the next masks'
+fill). Then the raw library rate at the rows' final states: the fill alone over the run's
+own matchers, and over the same states held by independent matchers, by copies of one
+matcher, and by templates of ``--rows-per-template`` rows. ``mask_sha256`` digests every
+step's masks (equal across thread counts, the two paths and code versions that give the same
+masks); ``template_max_over_mean``: the live rows of the busiest matcher template over the
+mean (median over the steps); ``templates``: the most matcher templates in use at a step.
 
     python benchmarks/structured_host_bench.py                       # 1024 rows, 64 steps
     python benchmarks/structured_host_bench.py --rows 256 --steps 16 --threads 2,4

@@ -14,8 +14,8 @@ into a pinned host buffer, while the stepping thread goes on; the next ``step_ma
 them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
 thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
 while an ahead fill thread exists the process's GIL switch interval is at most
-``AHEAD_SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library choice and measurements:
-docs/structured_outputs.md.
+``AHEAD_SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library
+choice and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 # the ahead fill waits for it after its accept and its fill, while the stepping thread
 # processes outputs and schedules, and the next step waits for the ahead fill.
 AHEAD_SWITCH_INTERVAL_S = 0.0005
-_switch = {"users": 0, "before": 0.0}  # StructuredOutputs with an ahead thread; the interval
-_switch_lock = threading.Lock()  # before the first of them
+# the StructuredOutputs holding an ahead thread, and the interval before the first of them
+_switch = {"users": 0, "before": 0.0}
+_switch_lock = threading.Lock()
 
 
 def _shorten_switch_interval() -> None:
