@@ -11,13 +11,17 @@ recompute never lose or double a token. After a step's sampler launch, ``advance
 ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
 matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
 into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
-them, fills the rows the ahead fill did not cover and uploads without blocking. Library choice
-and measurements: docs/structured_outputs.md.
+them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
+thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
+while an ahead fill thread exists the process's GIL switch interval is at most
+``AHEAD_SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library
+choice and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
@@ -28,15 +32,37 @@ import torch
 
 from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
-from actors.engine.structured_sequence import (
-    ROWS_PER_TEMPLATE,
-    CompiledConstraint,
-    SequenceGrammar,
-)
+from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# A thread waiting for the GIL gets it after the holder's switch interval (5 ms by default):
+# the ahead fill waits for it after its accept and its fill, while the stepping thread
+# processes outputs and schedules, and the next step waits for the ahead fill.
+AHEAD_SWITCH_INTERVAL_S = 0.0005
+# the StructuredOutputs holding an ahead thread, and the interval before the first of them
+_switch = {"users": 0, "before": 0.0}
+_switch_lock = threading.Lock()
+
+
+def _shorten_switch_interval() -> None:
+    with _switch_lock:
+        if _switch["users"] == 0:
+            _switch["before"] = sys.getswitchinterval()
+            if _switch["before"] > AHEAD_SWITCH_INTERVAL_S:
+                sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
+        _switch["users"] += 1
+
+
+def _restore_switch_interval() -> None:
+    """As it was before the first ahead thread, once the last one ended (unless changed)."""
+    with _switch_lock:
+        _switch["users"] -= 1
+        if (_switch["users"] == 0 and _switch["before"] > AHEAD_SWITCH_INTERVAL_S
+                and sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S):
+            sys.setswitchinterval(_switch["before"])
 
 
 class StructuredOutputs:
@@ -51,13 +77,14 @@ class StructuredOutputs:
         max_num_seqs: the most rows a step samples.
         num_threads: compile threads.
         fill_threads: threads of the parallel accept and mask fill (default: the cores this
-            process may run on less two, 2 to 16); a constraint shared by many sequences
-            gets up to this many matcher templates.
+            process may run on less two, 2 to 16).
+        max_templates: the most matcher templates of a constraint shared by many sequences
+            (default: ``fill_threads``).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
                  device: torch.device, max_num_seqs: int, num_threads: int = 2,
-                 fill_threads: int | None = None) -> None:
+                 fill_threads: int | None = None, max_templates: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -65,6 +92,7 @@ class StructuredOutputs:
         self.max_num_seqs = max_num_seqs
         self.num_threads = max(1, num_threads)
         self.fill_threads = fill_threads or max(2, min(16, usable_cpus() - 2))
+        self.max_templates = max_templates or self.fill_threads
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
         self._pool: ThreadPoolExecutor | None = None
@@ -137,7 +165,7 @@ class StructuredOutputs:
         kept through a preemption up to its known tokens."""
         if seq.grammar is None:
             compiled: CompiledConstraint = seq.request.grammar.result()
-            matcher, group = compiled.next_copy(self._tokenizer(), self.fill_threads)
+            matcher, group = compiled.next_copy(self._tokenizer(), self.max_templates)
             seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
         else:
@@ -146,6 +174,7 @@ class StructuredOutputs:
 
     def release(self, seq: Sequence) -> None:
         if seq.grammar is not None:
+            seq.request.grammar.result().release(seq.grammar.group)
             seq.grammar = None
             self.num_active -= 1
 
@@ -168,6 +197,7 @@ class StructuredOutputs:
         if items:
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
+                _shorten_switch_interval()
             self._ahead = self._ahead_pool.submit(self._advance, items, output)
             self._ahead_of = output
 
@@ -183,19 +213,26 @@ class StructuredOutputs:
 
     def _advance(self, items: list, output: Any) -> "_AheadFill | None":
         tokens = _host_list(output.get().token_ids)
-        singles = [(grammar, tokens[r]) for grammar, r, index in items
-                   if grammar.num_accepted == index]  # at the token its row sampled
-        if not singles:
+        order = _template_order([item[0].group for item in items])
+        grammars, picked = [], []
+        for grammar, r, index in items if order is None else [items[j] for j in order]:
+            if grammar.num_accepted == index:  # at the token its row sampled
+                grammars.append(grammar)
+                picked.append(tokens[r])
+        if not grammars:
             return None
-        self._accept_par(singles)  # (in template order, which the fill keeps)
-        live = [grammar for grammar, _ in singles if grammar.error is None]
+        matchers = self._accept_par(grammars, picked)
+        if matchers is None:  # a row refused its token: it takes no mask
+            grammars = [grammar for grammar in grammars if grammar.error is None]
+            matchers = [grammar.matcher for grammar in grammars]
         buf = self._buffer()
-        self._fill([(grammar.matcher, j) for j, grammar in enumerate(live)], buf)
+        self._fill(list(zip(matchers, range(len(matchers)))), buf)
         self._fills += 1
-        for j, grammar in enumerate(live):
+        turn = self._fills
+        for j, grammar in enumerate(grammars):
             grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
-                self._fills, j, grammar.num_accepted
-        return _AheadFill(buf, self._fills, len(live))
+                turn, j, grammar.num_accepted
+        return _AheadFill(buf, turn, len(grammars))
 
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
         """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
@@ -214,18 +251,21 @@ class StructuredOutputs:
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
-        turn, base = (done.turn, done.count) if done is not None else (0, 0)
-        source, here = [], []
-        for j, r in enumerate(rows):
-            seq = seqs[r]
-            grammar = seq.grammar
-            if (grammar.mask_turn == turn and grammar.mask_at == grammar.num_accepted
-                    == len(seq.token_ids) - seq.num_prompt):
-                source.append(grammar.mask_row)
-            else:
-                source.append(base + len(here))
-                here.append(seq)
-        buf = done.buf if done is not None else self._buffer()
+        if done is None:  # every row is filled here, in order
+            base, source, here = 0, None, [seqs[r] for r in rows]
+            buf = self._buffer()
+        else:
+            turn, base, buf = done.turn, done.count, done.buf
+            source, here = [], []
+            for r in rows:
+                seq = seqs[r]
+                grammar = seq.grammar
+                if (grammar.mask_turn == turn and grammar.mask_at == grammar.num_accepted
+                        == len(seq.token_ids) - seq.num_prompt):
+                    source.append(grammar.mask_row)
+                else:
+                    source.append(base + len(here))
+                    here.append(seq)
         self.rows_ahead += len(rows) - len(here)
         self.rows_here += len(here)
         if here:
@@ -236,47 +276,59 @@ class StructuredOutputs:
             self._events[self._turn].record()  # buf is the buffer taken last (here or ahead)
         else:
             bits = buf[:total].clone()
-        in_order = total == len(rows) and source == list(range(total))  # nothing to gather
+        if source is not None and total == len(rows) and source == list(range(total)):
+            source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
-                                 self.device, source=None if in_order else source)
+                                 self.device, source=source)
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:
         """Accepts the known tokens of ``seqs`` and fills their masks into ``buf`` rows
-        ``base``, ``base + 1``, ... in order."""
+        ``base``, ``base + 1``, ... in order (the calls take the rows in template order)."""
         host_prev = None
-        matchers, singles = [], []
-        for j, seq in enumerate(seqs):
+        matchers, grammars, singles = [], [], []
+        order = _template_order([seq.grammar.group for seq in seqs])
+        for j in range(len(seqs)) if order is None else order:
+            seq = seqs[j]
             grammar = seq.grammar
+            matchers.append((grammar.matcher, base + j))
             pending = PENDING
             if seq.num_pending:
                 if host_prev is None:
                     host_prev = _host_list(prev_tokens())
                 pending = host_prev[seq.pending_row]
+                tokens = seq.token_ids
+                if (grammar.error is None and pending != PENDING and tokens[-1] == PENDING
+                        and seq.num_prompt + grammar.num_accepted == len(tokens) - 1):
+                    grammars.append(grammar)  # a decode step: accepted in parallel
+                    singles.append(pending)
+                    continue
             todo = grammar.new_tokens(seq, pending)
             if len(todo) == 1 and grammar.error is None:
-                singles.append((grammar, todo[0]))  # a decode step: accepted in parallel
+                grammars.append(grammar)
+                singles.append(todo[0])
             else:
                 grammar.accept(todo)
-            matchers.append((grammar.matcher, base + j))
-        # rows of one template next to each other: each thread takes a contiguous run
-        if len(seqs) > ROWS_PER_TEMPLATE:
-            groups = [seq.grammar.group for seq in seqs]
-            matchers = [matchers[j] for j in sorted(range(len(seqs)), key=groups.__getitem__)]
-        if singles:
-            self._accept_par(singles)
+        if grammars:
+            self._accept_par(grammars, singles)
         self._fill(matchers, buf)
 
-    def _accept_par(self, singles: list) -> None:
-        """Each ``(grammar, token)`` of ``singles`` accepts its one token, in one parallel
-        call; with many rows they are first put in template order (in place), so that each
-        thread takes a contiguous run of one template."""
-        if len(singles) > ROWS_PER_TEMPLATE:
-            singles.sort(key=lambda item: item[0].group)
-        accepted = self._fill_executor().consume_token_par(
-            [(grammar.matcher, token) for grammar, token in singles])
-        for (grammar, token), ok in zip(singles, accepted):
+    def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int]) -> list | None:
+        """Each of ``grammars`` (in template order, so that each thread takes a contiguous
+        run of one template) accepts its token of ``tokens``, in one parallel call; the
+        matchers, or None when a row refused its token."""
+        matchers = [grammar.matcher for grammar in grammars]
+        accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
+        if all(accepted):
+            for grammar, matcher in zip(grammars, matchers):
+                # SequenceGrammar.accepted(True, token) of a row without an error
+                grammar.num_accepted += 1
+                if grammar.stopped_at < 0 and matcher.is_stopped():
+                    grammar.stopped_at = grammar.num_accepted
+            return matchers
+        for grammar, token, ok in zip(grammars, tokens, accepted):
             grammar.accepted(ok, token)
+        return None
 
     def _fill_executor(self) -> Any:
         """llguidance's thread pool of the parallel accept and mask fill."""
@@ -312,6 +364,7 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
+            _restore_switch_interval()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -324,6 +377,15 @@ class _AheadFill:
     buf: torch.Tensor
     turn: int
     count: int
+
+
+def _template_order(groups: list[int]) -> list[int] | None:
+    """The positions of ``groups`` (each row's template) in template order, stably; None
+    when they are in it already."""
+    keys = np.fromiter(groups, dtype=np.int64, count=len(groups))
+    if keys.size < 2 or bool((keys[1:] >= keys[:-1]).all()):
+        return None
+    return np.argsort(keys, kind="stable").tolist()
 
 
 def _host_list(tokens: Any) -> list[int]:

@@ -20,26 +20,35 @@ class CompiledConstraint:
 
     Copies of one llguidance matcher share its lexer and its caches behind a lock, so many
     rows of one constraint filled in parallel wait on each other; a constraint with many
-    live sequences gets up to one template per fill thread (each compiled from ``grammar``
-    on first need, ~1 ms), and its sequences are spread over them."""
+    live sequences gets one template per ``ROWS_PER_TEMPLATE`` of them, up to a limit (each
+    compiled from ``grammar`` on first need, ~1 ms), and a new sequence copies the template
+    with the fewest live ones."""
 
     template: Any = None  # llguidance.LLMatcher in its initial state
     error: str | None = None
     grammar: str = ""  # the llguidance grammar text it was compiled from
     templates: list = field(default_factory=list)  # the templates after ``template``
-    num_started: int = 0  # sequences given a copy so far
+    live: list = field(default_factory=list)  # live sequences of each template
 
     def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
-        """A fresh matcher for one more sequence and the index of its template."""
+        """A fresh matcher for one more sequence and the index of its template (give it
+        back with :meth:`release` when the sequence ends)."""
         import llguidance
 
-        index = (self.num_started // ROWS_PER_TEMPLATE) % max(1, max_templates)
-        self.num_started += 1
+        wanted = min(max(1, max_templates), sum(self.live) // ROWS_PER_TEMPLATE + 1)
+        if len(self.live) < wanted:
+            self.live.extend([0] * (wanted - len(self.live)))
+        index = min(range(wanted), key=self.live.__getitem__)
+        self.live[index] += 1
         if index == 0:
             return self.template.deep_copy(), 0
         while len(self.templates) < index:
             self.templates.append(llguidance.LLMatcher(tokenizer, self.grammar, log_level=0))
         return self.templates[index - 1].deep_copy(), index
+
+    def release(self, index: int) -> None:
+        """One sequence of template ``index`` ended."""
+        self.live[index] -= 1
 
 
 class SequenceGrammar:

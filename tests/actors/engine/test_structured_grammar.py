@@ -208,32 +208,40 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps(ahea
         seq = Sequence(requests[i % len(requests)], 0, [1])
         structured.start(seq)
         ref = seq.request.grammar.result().template.deep_copy()
-        return [seq, ref]
+        return [seq, ref, -1]  # -1: the output tokens after which ref stopped (not yet)
+
+    def ref_took(row) -> None:  # SequenceGrammar.stopped_at's rule, on the reference
+        seq, ref, stop = row
+        if stop < 0 and not ref.is_error() and ref.is_stopped():
+            row[2] = len(seq.token_ids) - seq.num_prompt
 
     rows = [new_row(i) for i in range(n)]
-    started, prev, checked, refused = n, None, 0, 0
+    started, prev, checked, refused, stopped = n, None, 0, 0, 0
     for step in range(300):
         if prev is not None and step % 3 == 0:  # the previous step's ids applied already
-            for (seq, _), token in zip(prev[0], prev[1]):
+            for (seq, _, _), token in zip(prev[0], prev[1]):
                 seq.token_ids[-1] = token
                 seq.num_pending -= 1
             prev = None
-        for seq, ref in rows:  # now and then a row takes two known tokens at once
+        for row in rows:  # now and then a row takes two known tokens at once
+            seq, ref, _ = row
             if not seq.num_pending and rng.random() < 0.05:
                 for _ in range(2):
                     mask = np.frombuffer(ref.compute_bitmask(), dtype=np.int32)
                     token = int(rng.choice(allowed(mask)))
                     assert ref.consume_token(token)
                     seq.token_ids.append(token)
-        seqs = [seq for seq, _ in rows]
+                    ref_took(row)
+        seqs = [seq for seq, _, _ in rows]
         tokens = prev[1] if prev is not None else None
         mask = structured.step_mask(seqs, lambda: np.asarray(tokens))
         bits = mask.bits.numpy()
         assert mask.rows.tolist() == list(range(len(rows)))
         drawn = []
-        for j, (seq, ref) in enumerate(rows):
+        for j, (seq, ref, stop) in enumerate(rows):
             assert seq.grammar.num_accepted == len(seq.token_ids) - 1
             assert (seq.grammar.error is None) == (not ref.is_error()), j
+            assert seq.grammar.stopped_at == stop, j
             assert np.array_equal(bits[j], np.frombuffer(ref.compute_bitmask(), np.int32)), j
             checked += 1
             token = int(rng.choice(allowed(bits[j])))
@@ -242,6 +250,7 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps(ahea
             ref.consume_token(token)  # what step_mask must do with it next step
             drawn.append(token)
             seq.token_ids.append(PENDING)
+            ref_took(rows[j])
             seq.num_pending += 1
             seq.pending_row = j
         prev = (rows, drawn)
@@ -251,25 +260,107 @@ def test_step_masks_and_accepts_equal_a_per_row_reference_over_random_steps(ahea
             structured.settle()
         # rows that reached an end with this token, or whose refused token step_mask saw,
         # end; new rows replace them
-        ended = [j for j, (seq, ref) in enumerate(rows)
+        ended = [j for j, (seq, ref, _) in enumerate(rows)
                  if (seq.grammar.error is not None if ref.is_error()
                      else ref.is_stopped() or drawn[j] == eos)]
         if ended:
-            for (seq, _), token in zip(rows, drawn):
+            for (seq, _, _), token in zip(rows, drawn):
                 seq.token_ids[-1] = token
                 seq.num_pending -= 1
             for j in ended:
                 seq = rows[j][0]
                 seq.grammar.catch_up(seq)  # as the output processor does before it ends
                 assert (seq.grammar.error is None) == (not rows[j][1].is_error())
+                assert seq.grammar.stopped_at == rows[j][2]  # at the token it stopped after
+                stopped += rows[j][2] > 0
                 refused += seq.grammar.error is not None
                 structured.release(seq)
                 rows[j] = new_row(started)
                 started += 1
             prev = None
     assert checked > 300 * (n - 8) and started > n + 20 and refused > 3, (started, refused)
+    assert stopped > 10, stopped
     if ahead:
         assert structured.rows_ahead > 0.8 * checked and structured.rows_here > n
     else:
         assert structured.rows_ahead == 0
     structured.close()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
+def test_a_sampled_token_that_ends_the_grammar_is_the_stop_of_its_row(ahead):
+    """Rows step through the words of a choice one sampled token at a time (the parallel
+    accept, in step or ahead): each stops after its word's last token, not before."""
+    from actors.engine.sequence import PENDING, Sequence
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+    words = ["yes", "no", "maybe", "no"]
+    structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
+                                   device=torch.device("cpu"), max_num_seqs=8, fill_threads=2)
+    request = _request(structured, SO(choice=sorted(set(words))))
+    ids = [tok.encode(w, add_special_tokens=False) for w in words]
+    seqs = [Sequence(request, 0, [1]) for _ in words]
+    for seq in seqs:
+        structured.start(seq)
+    prev = None  # the ids sampled last step
+    for step in range(max(map(len, ids)) + 1):
+        # the rows whose last token is still to accept (in step) or whose mask is taken
+        structured.step_mask([s for s, t in zip(seqs, ids) if step <= len(t)],
+                             lambda: np.asarray(prev))
+        for seq, tokens in zip(seqs, ids):
+            grammar, stop = seq.grammar, len(tokens)  # row j may only end after its word
+            assert grammar.error is None and grammar.num_accepted == min(step, stop)
+            assert grammar.stopped_at == (stop if step >= stop else -1)
+            assert grammar.ended_by(stop) == (step >= stop) and not grammar.ended_by(stop - 1)
+            if seq.num_pending:  # the previous step's id, as the output processor applies it
+                seq.token_ids[-1] = prev[seq.pending_row]
+                seq.num_pending -= 1
+        sampled = [j for j, tokens in enumerate(ids) if step < len(tokens)]
+        prev = [ids[j][step] for j in sampled]
+        for row, j in enumerate(sampled):
+            seqs[j].token_ids.append(PENDING)
+            seqs[j].num_pending += 1
+            seqs[j].pending_row = row
+        if ahead and sampled:
+            structured.advance([seqs[j] for j in sampled],
+                               [len(seqs[j].token_ids) - 1 for j in sampled], _Sampled(prev))
+    assert [seq.grammar.stopped_at for seq in seqs] == [len(t) for t in ids]
+    structured.close()
+
+
+def test_the_ahead_fill_shortens_the_gil_switch_interval_until_the_last_close():
+    import sys
+
+    from actors.engine.sequence import PENDING, Sequence
+    from actors.engine.structured import AHEAD_SWITCH_INTERVAL_S
+    from toolkit.tiny_model import train_tokenizer
+
+    tok = train_tokenizer(512)
+
+    def ahead_fill() -> StructuredOutputs:
+        structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
+                                       device=torch.device("cpu"), max_num_seqs=2)
+        seq = Sequence(_request(structured, SO(regex="(ab)+")), 0, [1])
+        structured.start(seq)
+        structured.step_mask([seq], prev_tokens=None)
+        assert sys.getswitchinterval() in (0.005, AHEAD_SWITCH_INTERVAL_S)
+        seq.token_ids.append(PENDING)
+        seq.num_pending, seq.pending_row = 1, 0
+        structured.advance([seq], [1], _Sampled(tok.encode("ab", add_special_tokens=False)))
+        return structured
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        first = ahead_fill()
+        assert sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S
+        second = ahead_fill()  # two engines in one process
+        first.close()
+        assert sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S  # the second still runs
+        second.close()
+        assert sys.getswitchinterval() == 0.005
+        second.close()  # a second close gives nothing back twice
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        sys.setswitchinterval(before)
