@@ -14,7 +14,7 @@ into a pinned host buffer, while the stepping thread goes on; the next ``step_ma
 them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
 thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
 while an ahead fill thread exists the process's GIL switch interval is at most
-``AHEAD_SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library
+``SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library
 choice and measurements: docs/structured_outputs.md.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from actors.engine.cpu_threads import usable_cpus
+from actors.engine.cpu_threads import SWITCH_INTERVAL_S, usable_cpus
 from actors.engine.sequence import PENDING, Sequence
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
@@ -38,10 +38,6 @@ from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# A thread waiting for the GIL gets it after the holder's switch interval (5 ms by default):
-# the ahead fill waits for it after its accept and its fill, while the stepping thread
-# processes outputs and schedules, and the next step waits for the ahead fill.
-AHEAD_SWITCH_INTERVAL_S = 0.0005
 # the StructuredOutputs holding an ahead thread, and the interval before the first of them
 _switch = {"users": 0, "before": 0.0}
 _switch_lock = threading.Lock()
@@ -51,8 +47,8 @@ def _shorten_switch_interval() -> None:
     with _switch_lock:
         if _switch["users"] == 0:
             _switch["before"] = sys.getswitchinterval()
-            if _switch["before"] > AHEAD_SWITCH_INTERVAL_S:
-                sys.setswitchinterval(AHEAD_SWITCH_INTERVAL_S)
+            if _switch["before"] > SWITCH_INTERVAL_S:
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
         _switch["users"] += 1
 
 
@@ -60,8 +56,8 @@ def _restore_switch_interval() -> None:
     """As it was before the first ahead thread, once the last one ended (unless changed)."""
     with _switch_lock:
         _switch["users"] -= 1
-        if (_switch["users"] == 0 and _switch["before"] > AHEAD_SWITCH_INTERVAL_S
-                and sys.getswitchinterval() == AHEAD_SWITCH_INTERVAL_S):
+        if (_switch["users"] == 0 and _switch["before"] > SWITCH_INTERVAL_S
+                and sys.getswitchinterval() == SWITCH_INTERVAL_S):
             sys.setswitchinterval(_switch["before"])
 
 
