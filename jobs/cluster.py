@@ -40,7 +40,10 @@ def connect(address: str | None) -> None:
         # is about the cluster raygen starts here, nothing for the user to do
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             _TokenAuthNote())
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
+        # no idle workers started for the driver (Ray starts one per CPU by default, which on
+        # a many-core node compete with the actors' own start); actors start their own
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                 _system_config={"prestart_worker_first_driver": False})
     logger.info("Ray ready in %.1f s", time.perf_counter() - started)
 
 
