@@ -11,17 +11,16 @@ recompute never lose or double a token. After a step's sampler launch, ``advance
 ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
 matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
 into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
-them, fills the rows the ahead fill did not cover and uploads without blocking. The ahead
-thread takes the GIL back after each llguidance call while the stepping thread runs Python, so
-while an ahead fill thread exists the process's GIL switch interval is at most
-``SWITCH_INTERVAL_S`` (as it was again once the last one's ``close`` ran). Library
-choice and measurements: docs/structured_outputs.md.
+them, fills the rows the ahead fill did not cover and uploads without blocking (on a copy
+stream beside the queued forward). The ahead thread takes the GIL back after each llguidance
+call while the stepping thread runs Python, so while an ahead fill thread exists the process's
+GIL switch interval is at most ``cpu_threads.SWITCH_INTERVAL_S``. Library choice and
+measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
@@ -30,36 +29,17 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from actors.engine.cpu_threads import SWITCH_INTERVAL_S, usable_cpus
+from actors.engine.cpu_threads import (
+    hold_switch_interval,
+    release_switch_interval,
+    usable_cpus,
+)
 from actors.engine.sequence import PENDING, Sequence
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-# the StructuredOutputs holding an ahead thread, and the interval before the first of them
-_switch = {"users": 0, "before": 0.0}
-_switch_lock = threading.Lock()
-
-
-def _shorten_switch_interval() -> None:
-    with _switch_lock:
-        if _switch["users"] == 0:
-            _switch["before"] = sys.getswitchinterval()
-            if _switch["before"] > SWITCH_INTERVAL_S:
-                sys.setswitchinterval(SWITCH_INTERVAL_S)
-        _switch["users"] += 1
-
-
-def _restore_switch_interval() -> None:
-    """As it was before the first ahead thread, once the last one ended (unless changed)."""
-    with _switch_lock:
-        _switch["users"] -= 1
-        if (_switch["users"] == 0 and _switch["before"] > SWITCH_INTERVAL_S
-                and sys.getswitchinterval() == SWITCH_INTERVAL_S):
-            sys.setswitchinterval(_switch["before"])
-
 
 class StructuredOutputs:
     """Compiler cache, per-sequence matchers and step masks of one engine.
@@ -98,6 +78,7 @@ class StructuredOutputs:
         self._executor = None
         self._buffers: list[torch.Tensor] = []
         self._events: list[Any] = []
+        self._copy_stream: Any = None  # the masks' uploads (CUDA)
         self._turn = 0
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
@@ -193,7 +174,7 @@ class StructuredOutputs:
         if items:
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-                _shorten_switch_interval()
+                hold_switch_interval()
             self._ahead = self._ahead_pool.submit(self._advance, items, output)
             self._ahead_of = output
 
@@ -268,14 +249,27 @@ class StructuredOutputs:
             self._fill_here(here, prev_tokens, buf, base)
         total = base + len(here)
         if self.device.type == "cuda":
-            bits = buf[:total].to(self.device, non_blocking=True)
-            self._events[self._turn].record()  # buf is the buffer taken last (here or ahead)
+            bits = self._upload(buf[:total])
         else:
             bits = buf[:total].clone()
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device, source=source)
+
+    def _upload(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (of the pinned buffer taken last) on the device. The copy runs on a stream
+        of its own, beside the forward already queued on the current stream, which waits for
+        it before the sampler; the buffer's event marks the end of the copy."""
+        current = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            bits = rows.to(self.device, non_blocking=True)
+            self._events[self._turn].record(self._copy_stream)
+        current.wait_stream(self._copy_stream)
+        bits.record_stream(current)  # freed for reuse only after the current stream's use
+        return bits
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:
@@ -360,7 +354,7 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
-            _restore_switch_interval()
+            release_switch_interval()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
