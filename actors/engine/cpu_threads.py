@@ -23,37 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: the GIL switch interval of a process whose engine shares it with busy Python threads (shard
-#: threads in an actor, the ahead mask fill): a thread waiting for the GIL gets it only after
-#: the holder's interval (5 ms by default), so a short one keeps the stepping thread ahead of
-#: the GPU and the ahead fill ahead of the next step
+#: the GIL switch interval of an actor's process, whose engine shares it with busy Python
+#: threads (shard threads): a thread waiting for the GIL gets it only after the holder's
+#: interval (5 ms by default), so a short one keeps the stepping thread ahead of the GPU
 SWITCH_INTERVAL_S = 0.0005
-
-# holders of a short interval (hold_switch_interval), and the interval before the first
-_switch = {"users": 0, "before": 0.0}
-_switch_lock = threading.Lock()
-
-
-def hold_switch_interval() -> None:
-    """Makes the process's GIL switch interval at most ``SWITCH_INTERVAL_S`` until the matching
-    :func:`release_switch_interval` (holds nest: the last release restores it)."""
-    with _switch_lock:
-        if _switch["users"] == 0:
-            _switch["before"] = sys.getswitchinterval()
-            if _switch["before"] > SWITCH_INTERVAL_S:
-                sys.setswitchinterval(SWITCH_INTERVAL_S)
-        _switch["users"] += 1
-
-
-def release_switch_interval() -> None:
-    """Ends one hold; the last one restores the interval the first found (unless another
-    change came since)."""
-    with _switch_lock:
-        _switch["users"] -= 1
-        if (_switch["users"] == 0 and _switch["before"] > SWITCH_INTERVAL_S
-                and sys.getswitchinterval() == SWITCH_INTERVAL_S):
-            sys.setswitchinterval(_switch["before"])
-
 
 def cpu_share() -> tuple[int, str]:
     """``(cpus, where from)``: the CPUs Ray assigned to this actor or task (rounded down, at

@@ -12,10 +12,8 @@ ahead fill on a thread of its own: once the step's sampled ids are on the host i
 matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
 into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
 them, fills the rows the ahead fill did not cover and uploads without blocking (on a copy
-stream beside the queued forward). The ahead thread takes the GIL back after each llguidance
-call while the stepping thread runs Python, so while an ahead fill thread exists the process's
-GIL switch interval is at most ``cpu_threads.SWITCH_INTERVAL_S``. Library choice and
-measurements: docs/structured_outputs.md.
+stream beside the queued forward). Library choice and measurements:
+docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -29,11 +27,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from actors.engine.cpu_threads import (
-    hold_switch_interval,
-    release_switch_interval,
-    usable_cpus,
-)
+from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
@@ -174,7 +168,6 @@ class StructuredOutputs:
         if items:
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-                hold_switch_interval()
             self._ahead = self._ahead_pool.submit(self._advance, items, output)
             self._ahead_of = output
 
@@ -354,7 +347,6 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
-            release_switch_interval()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -329,38 +329,3 @@ def test_a_sampled_token_that_ends_the_grammar_is_the_stop_of_its_row(ahead):
     structured.close()
 
 
-def test_the_ahead_fill_shortens_the_gil_switch_interval_until_the_last_close():
-    import sys
-
-    from actors.engine.sequence import PENDING, Sequence
-    from actors.engine.cpu_threads import SWITCH_INTERVAL_S
-    from toolkit.tiny_model import train_tokenizer
-
-    tok = train_tokenizer(512)
-
-    def ahead_fill() -> StructuredOutputs:
-        structured = StructuredOutputs(tok, vocab_size=VOCAB, eos_token_ids=[tok.eos_token_id],
-                                       device=torch.device("cpu"), max_num_seqs=2)
-        seq = Sequence(_request(structured, SO(regex="(ab)+")), 0, [1])
-        structured.start(seq)
-        structured.step_mask([seq], prev_tokens=None)
-        assert sys.getswitchinterval() in (0.005, SWITCH_INTERVAL_S)
-        seq.token_ids.append(PENDING)
-        seq.num_pending, seq.pending_row = 1, 0
-        structured.advance([seq], [1], _Sampled(tok.encode("ab", add_special_tokens=False)))
-        return structured
-
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    try:
-        first = ahead_fill()
-        assert sys.getswitchinterval() == SWITCH_INTERVAL_S
-        second = ahead_fill()  # two engines in one process
-        first.close()
-        assert sys.getswitchinterval() == SWITCH_INTERVAL_S  # the second still runs
-        second.close()
-        assert sys.getswitchinterval() == 0.005
-        second.close()  # a second close gives nothing back twice
-        assert sys.getswitchinterval() == 0.005
-    finally:
-        sys.setswitchinterval(before)
