@@ -16,7 +16,6 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
-from actors.engine.cpu_threads import SWITCH_INTERVAL_S
 from actors.engine.engine_config import EngineConfig
 from actors.engine.generation_output import GenerationOutput
 
@@ -26,9 +25,11 @@ Prompt = Any  # str | list[int] | list[dict] (chat messages)
 
 
 # Shard threads read rows and build part files (Python work) while the server's loop thread
-# drives the engine: with the default switch interval each time the loop blocks on the device
-# it could lose ~a decode step's worth of time to a shard thread. The interval is
-# process-wide, so it is set once, when an actor's process starts, never in a caller's.
+# drives the engine. A thread waiting for the GIL gets it only after the holder's switch
+# interval (5 ms by default): each time the loop blocks on the device it could lose ~a decode
+# step's worth of time to a shard thread. 0.5 ms keeps the loop ahead of the GPU. The interval
+# is process-wide, so it is set once, when an actor's process starts, never in a caller's.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def shorten_switch_interval() -> None:

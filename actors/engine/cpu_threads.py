@@ -23,10 +23,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: the GIL switch interval of an actor's process, whose engine shares it with busy Python
-#: threads (shard threads): a thread waiting for the GIL gets it only after the holder's
-#: interval (5 ms by default), so a short one keeps the stepping thread ahead of the GPU
-SWITCH_INTERVAL_S = 0.0005
 
 def cpu_share() -> tuple[int, str]:
     """``(cpus, where from)``: the CPUs Ray assigned to this actor or task (rounded down, at

@@ -3,7 +3,8 @@
 torch function it replaces (its oracle). :mod:`actors.engine.model.fused_layers` swaps them into a loaded
 transformers model after checking each against the model's own code. The MoE kernels
 (``moe_routing``, ``moe_align``, ``moe_gemm``) go in through :mod:`actors.engine.model.moe`;
-``decode_attention`` through the FlashInfer attention backend.
+``decode_attention`` through the FlashInfer attention backend; ``kv_store`` (K/V rows into an FP8
+pool) through ``actors.engine.model.kv_cache.store_kv``.
 
 Importing this package imports triton; ``import actors`` does not.
 """
