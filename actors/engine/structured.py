@@ -283,6 +283,7 @@ class StructuredOutputs:
                 tokens = seq.token_ids
                 if (grammar.error is None and pending != PENDING and tokens[-1] == PENDING
                         and seq.num_prompt + grammar.num_accepted == len(tokens) - 1):
+                    # new_tokens' decode-step case, inline (no call and no list a row)
                     grammars.append(grammar)  # a decode step: accepted in parallel
                     singles.append(pending)
                     continue
@@ -303,11 +304,7 @@ class StructuredOutputs:
         matchers = [grammar.matcher for grammar in grammars]
         accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
         if all(accepted):
-            for grammar, matcher in zip(grammars, matchers):
-                # SequenceGrammar.accepted(True, token) of a row without an error
-                grammar.num_accepted += 1
-                if grammar.stopped_at < 0 and matcher.is_stopped():
-                    grammar.stopped_at = grammar.num_accepted
+            SequenceGrammar.all_accepted(grammars)
             return matchers
         for grammar, token, ok in zip(grammars, tokens, accepted):
             grammar.accepted(ok, token)

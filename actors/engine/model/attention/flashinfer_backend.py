@@ -22,9 +22,9 @@ and layers whose keys and values differ in width (MLA: ``head_dim_qk`` 192, ``he
 graph buckets) use that prefill-kind wrapper too (queries of one token), since the decode
 wrapper has one head_dim and no sink variant. Soft-capping (gemma2) is ``logits_soft_cap``.
 
-New K/V rows are written with ``index_copy_`` at the step's slot mapping (``store_kv``: an FP8
-pool's rows clamped and cast in one Triton kernel), then the kernel reads the pages (KV layout NHD:
-``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
+New K/V rows are written at the step's slot mapping (``store_kv``: ``index_copy_``, or for an
+FP8 pool one Triton kernel that clamps and casts them), then the kernel reads the pages (KV
+layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
 with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
 ``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of
 full-attention layers without soft-capping or sinks run
