@@ -25,6 +25,9 @@ from actors.engine.model.quantization.fp8_math import (  # noqa: F401  (the orac
     quantize_rows_torch,
 )
 
+#: rows up to this many columns are quantized from one read (held in registers)
+ONE_TILE_COLUMNS = 8192
+
 
 @triton.jit
 def quantize_e4m3(x):
@@ -52,22 +55,33 @@ def to_e4m3(x, scale, dtype: tl.constexpr):
     return quantize_e4m3(y).to(dtype)
 
 
-@triton.jit(do_not_specialize=["K"])
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                          ONE_TILE: tl.constexpr):
+    """One program per row; a row of at most ``BLOCK`` columns is read once (``ONE_TILE``),
+    a wider one twice (its amax, then its quantization)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        mask = start + cols < K
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = row_scale(tl.max(amax, 0))
-    tl.store(s_ptr + row, scale)
-    for start in range(0, K, BLOCK):
-        mask = start + cols < K
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
-        tl.store(q_ptr + row * stride_q + start + cols,
-                 to_e4m3(x.to(tl.float32), scale, q_ptr.dtype.element_ty), mask=mask)
+    if ONE_TILE:
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(x), 0))
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(x, scale, q_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            mask = start + cols < K
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = row_scale(tl.max(amax, 0))
+        tl.store(s_ptr + row, scale)
+        for start in range(0, K, BLOCK):
+            mask = start + cols < K
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+            tl.store(q_ptr + row * stride_q + start + cols,
+                     to_e4m3(x.to(tl.float32), scale, q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +99,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
+        block = triton.next_power_of_2(max(cols, 16))
+        one_tile = block <= ONE_TILE_COLUMNS
+        block = block if one_tile else 4096
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0),
-                                       BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                       BLOCK=block, ONE_TILE=one_tile,
+                                       num_warps=4 if block <= 1024 else 8 if block <= 4096
+                                       else 16)
     return q, scale

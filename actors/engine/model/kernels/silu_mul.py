@@ -38,7 +38,7 @@ def _silu_product(gate_ptr, up_ptr, offs, mask, dt: tl.constexpr):
     return round_to(s * u, dt)
 
 
-@triton.jit(do_not_specialize=["I"])
+@triton.jit
 def _silu_amax_kernel(gate_ptr, up_ptr, part_ptr, I, gate_row, up_row, BLOCK: tl.constexpr,
                       NBLK: tl.constexpr):
     """Programs ``(row, block of I)``: the block's largest |product|."""
@@ -49,7 +49,7 @@ def _silu_amax_kernel(gate_ptr, up_ptr, part_ptr, I, gate_row, up_row, BLOCK: tl
     tl.store(part_ptr + row * NBLK + tl.program_id(1), tl.max(tl.abs(value), 0))
 
 
-@triton.jit(do_not_specialize=["I"])
+@triton.jit
 def _silu_quant_kernel(gate_ptr, up_ptr, part_ptr, q_ptr, s_ptr, I, gate_row, up_row,
                        BLOCK: tl.constexpr, NBLK: tl.constexpr):
     """Programs ``(row, block of I)``: the row's scale from its blocks' amax, the block's
