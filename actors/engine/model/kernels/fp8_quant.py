@@ -1,14 +1,14 @@
 """Dynamic per-token FP8 (e4m3) quantization of activations: each row ``x`` becomes
-``q = e4m3(clamp(x / s, -448, 448))`` with ``s = max(amax(|x|) / 448, SCALE_FLOOR)`` (float32),
-so that ``q * s`` approximates ``x``. The scale is per row, shaped ``[T, 1]`` as
-``torch._scaled_mm`` takes it.
+``q = e4m3(clamp(x * (1 / s), -448, 448))`` with ``s = max(amax(|x|) / 448, SCALE_FLOOR)``
+(float32; one division a row, a product an element), so that ``q * s`` approximates ``x``.
+The scale is per row, shaped ``[T, 1]`` as ``torch._scaled_mm`` takes it.
 
 The torch oracles live in ``actors.engine.model.quantization.fp8_math`` (no triton there).
 ``quantize_rows`` is the standalone kernel (the attention output before ``o_proj``, or any input
-a fused producer did not quantize); ``quantize_e4m3`` / ``row_scale`` are the pieces the fused
-RMSNorm and SiLU-mul kernels share. Kernels round to e4m3 by bits (nearest, ties to even, as
-torch casts) before the exact cast, so the interpreter (whose fp8 cast rounds ties away) and
-the GPU give torch's values.
+a fused producer did not quantize); ``row_scale`` / ``to_e4m3`` / ``e4m3`` are the pieces the
+fused RMSNorm, SiLU-mul and FP8 KV-store kernels share. On the GPU the cast to e4m3 rounds to
+nearest even, as torch's; under the interpreter (whose fp8 cast rounds ties away) the kernels
+round by bits first (``quantize_e4m3``), so both give torch's values.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from actors.engine.model.kernels.rounding import NATIVE_CASTS
 from actors.engine.model.quantization.fp8_math import (  # noqa: F401  (the oracles, here too)
     FP8_DTYPE,
     FP8_MAX,
@@ -50,9 +51,20 @@ def row_scale(amax):
 
 @triton.jit
 def to_e4m3(x, scale, dtype: tl.constexpr):
-    """``x / scale`` clamped and rounded, in ``dtype`` (the fp8 pointer's element type)."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    return quantize_e4m3(y).to(dtype)
+    """``x * (1 / scale)`` clamped and rounded, in ``dtype`` (the fp8 pointer's element type):
+    one reciprocal a row, a product an element."""
+    y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -448.0), 448.0)
+    return e4m3(y, dtype)
+
+
+@triton.jit
+def e4m3(y, dtype: tl.constexpr):
+    """``y`` (float32, within +-448) in ``dtype`` (e4m3), rounded to nearest even: the GPU's
+    cast, or :func:`quantize_e4m3` then an exact cast under the interpreter."""
+    if NATIVE_CASTS:
+        return y.to(dtype)
+    else:
+        return quantize_e4m3(y).to(dtype)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actors.engine.model.kernels.fp8_quant import quantize_e4m3
+from actors.engine.model.kernels.fp8_quant import e4m3
 
 __all__ = ["store_kv_fp8"]
 
@@ -21,7 +21,7 @@ def _store_row(src_ptr, dst_ptr, t, dst_row, heads, dims, src_t, src_h, dst_row_
                 other=0.0).to(tl.float32)
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     tl.store(dst_ptr + dst_row * dst_row_stride + heads[:, None] * dst_h + dims[None, :],
-             quantize_e4m3(x).to(dst_ptr.dtype.element_ty), mask=mask)
+             e4m3(x, dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

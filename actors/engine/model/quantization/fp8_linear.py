@@ -21,6 +21,10 @@ from actors.engine.model.quantization.fp8_math import (
     quantize_weight_torch,
 )
 
+#: CUDA GEMMs accumulate in the tensor cores' own precision, without promoting partial sums to
+#: float32 along K (the FP8 GEMM schedule vLLM's kernels use; see docs/fp8.md for its drift)
+FAST_ACCUM = True
+
 #: attribute of a bf16 activation that carries its per-token quantization ``(q, scale)``
 FP8_INPUT = "_fp8_input"
 
@@ -54,7 +58,7 @@ def fp8_matmul(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     """``(q * scale) @ (weight * weight_scale)^T (+ bias)``: e4m3 rows ``[T, K]`` with
     ``[T, 1]`` scales, an e4m3 weight ``[N, K]`` with ``[1, N]`` scales -> ``[T, N]``."""
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale,
-                           out_dtype=out_dtype)
+                           out_dtype=out_dtype, use_fast_accum=FAST_ACCUM and q.is_cuda)
     if bias is not None:
         out += bias
     return out

@@ -16,14 +16,16 @@ SCALE_FLOOR = 1e-12
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token quantization: ``x`` ``[T, K]`` -> (``q`` ``[T, K]`` e4m3, ``scale`` ``[T, 1]``
-    float32), ``scale = max(amax(|row|) / 448, SCALE_FLOOR)``, ``q = e4m3(clamp(x / scale))``
-    (float32 math, rounding to nearest even as torch casts)."""
+    float32), ``scale = max(amax(|row|) / 448, SCALE_FLOOR)``,
+    ``q = e4m3(clamp(x * (1 / scale)))`` (float32 math, the reciprocal once a row as the
+    kernels take it, rounding to nearest even as torch casts)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    # a true division, as the kernels' (CUDA torch turns a division by a Python scalar into
-    # a product with its reciprocal, which can differ in the last bit)
+    # true divisions, as the kernels' (CUDA torch turns a division by a Python scalar into a
+    # product with its reciprocal, which can differ in the last bit)
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    inverse = torch.ones_like(scale) / scale
+    q = (xf * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 

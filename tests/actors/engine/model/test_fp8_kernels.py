@@ -120,7 +120,7 @@ def test_silu_mul_fp8_equals_torch(dtype, shape):
     _assert_quantized_equal(*silu_mul_fp8(gate, up), *silu_mul_fp8_torch(gate, up))
 
 
-@pytest.mark.parametrize("inner", [200, 16500])  # one block of columns, several
+@pytest.mark.parametrize("inner", [200, 16500])  # one program a row; two kernels
 def test_silu_mul_fp8_reads_the_halves_of_one_gate_up_output_in_place(inner):
     gen = torch.Generator().manual_seed(inner)
     gate_up = (torch.randn(3, 2 * inner, generator=gen) * 4).to(DEVICE, torch.bfloat16)
