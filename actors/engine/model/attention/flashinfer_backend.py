@@ -56,6 +56,13 @@ from actors.engine.model.kv_cache import store_kv, store_rows
 logger = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 << 20
+#: decode steps of full-attention layers (no soft-capping or sinks, one head width) run the
+#: Triton decode kernel rather than FlashInfer's over e4m3 pages, and over bf16/fp16 pages of
+#: heads from 16 (``tl.dot``'s least) up to this width. On an H200: the Qwen2-0.5B shape
+#: (head_dim 64, 14/2 heads, 1,024 rows) took 4.24-4.30 ms a decode step against 4.85 with
+#: FlashInfer; at the Llama-3-8B shape (head_dim 128, 32/8 heads, 512 rows) the kernel is
+#: slower (256.5 us a layer against 247.2)
+TRITON_DECODE_MAX_HEAD_DIM = 64
 #: (window_left, scale, soft cap (0: none), has sinks) of a layer; window_left -1 is full
 #: causal attention.
 LayerKey = tuple[int, float, float, bool]
@@ -125,10 +132,12 @@ class FlashInferBackend(AttentionBackend):
         self.keys = sorted(set(self.layer_keys.values()))
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = {key: self._prefill_wrapper(key) for key in self.keys}
-        # decode steps of plain layers over e4m3 pages: the Triton kernel (FlashInfer 0.6.4's
-        # FA2 decode dequantizes them at ~3x the read floor, slower than over bf16 pages)
-        plain = (self.kv_dtype == torch.float8_e4m3fn and self.key_dim == self.value_dim
-                 == kv_cache.layer(0).shape[-1])
+        # decode steps of plain layers over e4m3 pages, or of narrow heads: the Triton kernel
+        # (FlashInfer 0.6.4's FA2 decode dequantizes e4m3 pages at ~3x the read floor, slower
+        # than over bf16 pages; TRITON_DECODE_MAX_HEAD_DIM)
+        plain = ((self.kv_dtype == torch.float8_e4m3fn
+                  or 16 <= self.key_dim <= TRITON_DECODE_MAX_HEAD_DIM)
+                 and self.key_dim == self.value_dim == kv_cache.layer(0).shape[-1])
         self.triton_decode = {key for key in self.keys
                               if plain and key[0] == -1 and not key[2] and not key[3]}
         self.decode_chunk = decode_chunk(max_model_len)
