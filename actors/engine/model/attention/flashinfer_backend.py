@@ -58,10 +58,8 @@ logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 128 << 20
 #: decode steps of full-attention layers (no soft-capping or sinks, one head width) run the
 #: Triton decode kernel rather than FlashInfer's over e4m3 pages, and over bf16/fp16 pages of
-#: heads from 16 (``tl.dot``'s least) up to this width. On an H200: the Qwen2-0.5B shape
-#: (head_dim 64, 14/2 heads, 1,024 rows) took 4.24-4.30 ms a decode step against 4.85 with
-#: FlashInfer; at the Llama-3-8B shape (head_dim 128, 32/8 heads, 512 rows) the kernel is
-#: slower (256.5 us a layer against 247.2)
+#: heads from 16 (``tl.dot``'s least) up to this width: where it was the faster on an H200
+#: (docs/benchmarks.md, run CA)
 TRITON_DECODE_MAX_HEAD_DIM = 64
 #: (window_left, scale, soft cap (0: none), has sinks) of a layer; window_left -1 is full
 #: causal attention.
