@@ -133,12 +133,14 @@ def store_rows(flat: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
 
 def store_kv(flat: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
              key: torch.Tensor, value: torch.Tensor) -> None:
-    """A step's new keys and values into their rows of ``flat`` (:func:`store_rows` each);
-    into an FP8 pool on CUDA in one kernel (``kernels.kv_store``, the same values)."""
-    if flat.dtype == FP8_DTYPE and flat.is_cuda and flat.stride(-1) == 1:
-        from actors.engine.model.kernels.kv_store import store_kv_fp8
+    """A step's new keys and values into their rows of ``flat`` (:func:`store_rows` each); on
+    CUDA, into an FP8 pool or one of the rows' dtype, in one kernel (``kernels.kv_store``, the
+    same values)."""
+    if flat.is_cuda and flat.stride(-1) == 1 and (
+            flat.dtype == FP8_DTYPE or flat.dtype == key.dtype == value.dtype):
+        from actors.engine.model.kernels.kv_store import store_kv_rows
 
-        store_kv_fp8(flat, k_rows, v_rows, key, value)
+        store_kv_rows(flat, k_rows, v_rows, key, value)
         return
     store_rows(flat, k_rows, key)
     store_rows(flat, v_rows, value)

@@ -22,15 +22,16 @@ and layers whose keys and values differ in width (MLA: ``head_dim_qk`` 192, ``he
 graph buckets) use that prefill-kind wrapper too (queries of one token), since the decode
 wrapper has one head_dim and no sink variant. Soft-capping (gemma2) is ``logits_soft_cap``.
 
-New K/V rows are written at the step's slot mapping (``store_kv``: ``index_copy_``, or for an
-FP8 pool one Triton kernel that clamps and casts them), then the kernel reads the pages (KV
+New K/V rows are written at the step's slot mapping (``store_kv``: keys and values in one
+Triton kernel, which for an FP8 pool clamps and casts them), then the kernel reads the pages (KV
 layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
 with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
-``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool the decode steps of
-full-attention layers without soft-capping or sinks run
-:mod:`actors.engine.model.kernels.decode_attention` instead (eager and in graphs, over the same
-page-table buffers; no decode wrapper is built for them): FlashInfer's FA2 decode over e4m3
-pages runs at ~3x its read floor, slower than over bf16 pages. Its chunks are fixed by
+``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool, and for heads of 16 to
+``TRITON_DECODE_MAX_HEAD_DIM`` over any pool, the decode steps of full-attention layers without
+soft-capping or sinks run :mod:`actors.engine.model.kernels.decode_attention` instead (eager and
+in graphs, over the same page-table buffers; no decode wrapper is built for them):
+FlashInfer's FA2 decode over e4m3 pages runs at ~3x its read floor, slower than over bf16
+pages, and the kernel is the faster over narrow heads. Its chunks are fixed by
 position, so it is batch-invariant like the rest. After each wrapper's first (official)
 ``plan``, later plans call its compiled module's ``plan`` directly
 (``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors with the
