@@ -35,6 +35,7 @@ from sampler.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+
 class StructuredOutputs:
     """Compiler cache, per-sequence matchers and step masks of one engine.
 

@@ -23,16 +23,17 @@ graph buckets) use that prefill-kind wrapper too (queries of one token), since t
 wrapper has one head_dim and no sink variant. Soft-capping (gemma2) is ``logits_soft_cap``.
 
 New K/V rows are written at the step's slot mapping (``store_kv``: keys and values in one
-Triton kernel, which for an FP8 pool clamps and casts them), then the kernel reads the pages (KV
-layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An FP8 pool is planned
-with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype, and ``run`` gets no
-``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool, and for heads of 16 to
-``TRITON_DECODE_MAX_HEAD_DIM`` over any pool, the decode steps of full-attention layers without
-soft-capping or sinks run :mod:`actors.engine.model.kernels.decode_attention` instead (eager and
-in graphs, over the same page-table buffers; no decode wrapper is built for them):
-FlashInfer's FA2 decode over e4m3 pages runs at ~3x its read floor, slower than over bf16
-pages, and the kernel is the faster over narrow heads. Its chunks are fixed by
-position, so it is batch-invariant like the rest. After each wrapper's first (official)
+Triton kernel, which for an FP8 pool clamps and casts them), then the kernel reads the pages
+(KV layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An
+FP8 pool is planned with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype,
+and ``run`` gets no ``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool, and over
+any pool for heads up to ``TRITON_DECODE_MAX_HEAD_DIM`` (heads of 16 or more either way), the
+decode steps of full-attention layers without soft-capping or sinks run
+:mod:`actors.engine.model.kernels.decode_attention` instead (eager and in graphs, over the same
+page-table buffers; no decode wrapper is built for them): FlashInfer's FA2 decode over e4m3
+pages runs at ~3x its read floor, slower than over bf16 pages, and the kernel is the faster
+over narrow heads. Its chunks are fixed by position, so it is batch-invariant like the
+rest. After each wrapper's first (official)
 ``plan``, later plans call its compiled module's ``plan`` directly
 (``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors with the
 builtin ``max`` (milliseconds at 1,000 sequences) and makes blocking copies.
@@ -59,8 +60,8 @@ logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 128 << 20
 #: decode steps of full-attention layers (no soft-capping or sinks, one head width) run the
 #: Triton decode kernel rather than FlashInfer's over e4m3 pages, and over bf16/fp16 pages of
-#: heads from 16 (``tl.dot``'s least) up to this width: where it was the faster on an H200
-#: (docs/benchmarks.md, run CA)
+#: heads up to this width (heads of 16 or more either way: ``tl.dot``'s least), where it was
+#: the faster on an H200 (docs/benchmarks.md, run CA)
 TRITON_DECODE_MAX_HEAD_DIM = 64
 #: (window_left, scale, soft cap (0: none), has sinks) of a layer; window_left -1 is full
 #: causal attention.
@@ -134,9 +135,9 @@ class FlashInferBackend(AttentionBackend):
         # decode steps of plain layers over e4m3 pages, or of narrow heads: the Triton kernel
         # (FlashInfer 0.6.4's FA2 decode dequantizes e4m3 pages at ~3x the read floor, slower
         # than over bf16 pages; TRITON_DECODE_MAX_HEAD_DIM)
-        plain = ((self.kv_dtype == torch.float8_e4m3fn
-                  or 16 <= self.key_dim <= TRITON_DECODE_MAX_HEAD_DIM)
-                 and self.key_dim == self.value_dim == kv_cache.layer(0).shape[-1])
+        plain = (16 <= self.key_dim == self.value_dim == kv_cache.layer(0).shape[-1]
+                 and (self.kv_dtype == torch.float8_e4m3fn
+                      or self.key_dim <= TRITON_DECODE_MAX_HEAD_DIM))
         self.triton_decode = {key for key in self.keys
                               if plain and key[0] == -1 and not key[2] and not key[3]}
         self.decode_chunk = decode_chunk(max_model_len)

@@ -147,4 +147,3 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, to
         _silu_quant_kernel[(rows, blocks)](gate, up, part, q, scale, *args, BLOCK=block,
                                            NBLK=nblk, num_warps=8)
     return q, scale
-
