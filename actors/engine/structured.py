@@ -9,10 +9,10 @@ matcher (:class:`~actors.engine.structured_sequence.SequenceGrammar`), which acc
 sequence's output tokens in order and only once (``num_accepted``), so preemption and
 recompute never lose or double a token. After a step's sampler launch, ``advance`` starts the
 ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
-matchers (one parallel llguidance call) and fills the masks that follow (one parallel call)
-into a pinned host buffer, while the stepping thread goes on; the next ``step_mask`` takes
-them, fills the rows the ahead fill did not cover and uploads without blocking (on a copy
-stream beside the queued forward). Library choice and measurements:
+matchers (one parallel llguidance call), fills the masks that follow (one parallel call) into
+a pinned host buffer and uploads them to a device buffer (on a copy stream beside the queued
+forward), while the stepping thread goes on; the next ``step_mask`` takes them and fills and
+uploads the rows the ahead fill did not cover. Library choice and measurements:
 docs/structured_outputs.md.
 """
 
@@ -71,9 +71,9 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._executor = None
-        self._buffers: list[torch.Tensor] = []
-        self._events: list[Any] = []
+        self._buffers: list[_Masks] = []
         self._copy_stream: Any = None  # the masks' uploads (CUDA)
+        self._reading: _Masks | None = None  # the device masks a queued sampler is to read
         self._turn = 0
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
@@ -155,22 +155,42 @@ class StructuredOutputs:
         """Starts the ahead fill of a step just launched: on a thread of its own, once the
         step's sampled ids are on the host (``output``, its ``AsyncOutput``), the matchers of
         its constrained rows accept them (row ``r`` sampled the token at ``pending_pos[r]``
-        of ``seqs[r]``) and the masks that follow are filled, while the stepping thread
-        processes outputs, schedules and launches the next forward. Until :meth:`settle`,
-        the stepping thread calls no matcher of these rows (the output processor reads
-        :meth:`SequenceGrammar.error_by` / ``ended_by``, which the ahead fill cannot change
-        for a token it has not accepted)."""
+        of ``seqs[r]``) and the masks that follow are filled and uploaded, while the stepping
+        thread processes outputs, schedules and launches the next forward. Until
+        :meth:`settle`, the stepping thread calls no matcher of these rows (the output
+        processor reads :meth:`SequenceGrammar.error_by` / ``ended_by``, which the ahead fill
+        cannot change for a token it has not accepted).
+
+        What needs no sampled id is done here, off the fill's path: the rows in template
+        order, and each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``;
+        the ahead fill takes it back from a row that refuses its token). The ahead fill
+        uploads its masks itself, and notes where the grammars ended after the upload is
+        queued."""
         self.settle()
-        items = []
+        self._mark_read()  # the sampler that reads the last step_mask's masks is queued
+        picked, rows = [], []
         for r, seq in enumerate(seqs):
             grammar = seq.grammar
-            if grammar is not None and grammar.error is None:
-                items.append((grammar, r, pending_pos[r] - seq.num_prompt))
-        if items:
-            if self._ahead_pool is None:
-                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-            self._ahead = self._ahead_pool.submit(self._advance, items, output)
-            self._ahead_of = output
+            if (grammar is not None and grammar.error is None
+                    and grammar.num_accepted == pending_pos[r] - seq.num_prompt):
+                picked.append(grammar)  # at the token its row sampled
+                rows.append(r)
+        if not picked:
+            return
+        order = _template_order([grammar.group for grammar in picked])
+        if order is not None:
+            picked = [picked[j] for j in order]
+            rows = [rows[j] for j in order]
+        self._fills += 1
+        turn = self._fills
+        for j, grammar in enumerate(picked):
+            grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
+                turn, j, grammar.num_accepted + 1
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
+        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self._buffer())
+        self._ahead = self._ahead_pool.submit(self._advance, plan, output)
+        self._ahead_of = output
 
     def settle(self, output: Any = None) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
@@ -182,28 +202,25 @@ class StructuredOutputs:
         if future is not None:
             self._done = future.result()
 
-    def _advance(self, items: list, output: Any) -> "_AheadFill | None":
-        tokens = _host_list(output.get().token_ids)
-        order = _template_order([item[0].group for item in items])
-        grammars, picked = [], []
-        for grammar, r, index in items if order is None else [items[j] for j in order]:
-            if grammar.num_accepted == index:  # at the token its row sampled
-                grammars.append(grammar)
-                picked.append(tokens[r])
-        if not grammars:
-            return None
-        matchers = self._accept_par(grammars, picked)
-        if matchers is None:  # a row refused its token: it takes no mask
+    def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
+        tokens = output.get().token_ids
+        if hasattr(tokens, "numpy"):
+            tokens = tokens.numpy()
+        grammars = plan.grammars
+        if self._accept_par(grammars, np.asarray(tokens)[plan.rows].tolist(),
+                            stopped=False) is None:  # some row refused its token
+            for grammar in grammars:
+                if grammar.error is not None:
+                    grammar.mask_turn = -1  # it takes no mask
             grammars = [grammar for grammar in grammars if grammar.error is None]
-            matchers = [grammar.matcher for grammar in grammars]
-        buf = self._buffer()
-        self._fill(list(zip(matchers, range(len(matchers)))), buf)
-        self._fills += 1
-        turn = self._fills
-        for j, grammar in enumerate(grammars):
-            grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
-                turn, j, grammar.num_accepted
-        return _AheadFill(buf, turn, len(grammars))
+        masks = plan.masks
+        if grammars:
+            self._fill([(grammar.matcher, grammar.mask_row) for grammar in grammars],
+                       masks.host)
+            if masks.dev is not None:
+                self._upload(masks, 0, len(plan.grammars))
+            SequenceGrammar.check_stopped(grammars)
+        return _AheadFill(masks, plan.turn, len(plan.grammars))
 
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
         """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
@@ -218,15 +235,16 @@ class StructuredOutputs:
                 (called only when a row filled here still waits for its last token).
         """
         self.settle()
+        self._mark_read()
         done, self._done = self._done, None
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
         if done is None:  # every row is filled here, in order
             base, source, here = 0, None, [seqs[r] for r in rows]
-            buf = self._buffer()
+            masks = self._buffer()
         else:
-            turn, base, buf = done.turn, done.count, done.buf
+            turn, base, masks = done.turn, done.count, done.masks
             source, here = [], []
             for r in rows:
                 seq = seqs[r]
@@ -239,31 +257,40 @@ class StructuredOutputs:
                     here.append(seq)
         self.rows_ahead += len(rows) - len(here)
         self.rows_here += len(here)
-        if here:
-            self._fill_here(here, prev_tokens, buf, base)
         total = base + len(here)
-        if self.device.type == "cuda":
-            bits = self._upload(buf[:total])
+        if here:
+            self._fill_here(here, prev_tokens, masks.host, base)
+            if masks.dev is not None:
+                self._upload(masks, base, total)
+        if masks.dev is not None:
+            bits = masks.dev[:total]
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._copy_stream)  # the sampler waits for the uploads
+            self._reading = masks  # and the buffer's next upload for it (_mark_read)
         else:
-            bits = buf[:total].clone()
+            bits = masks.host[:total].clone()
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device, source=source)
 
-    def _upload(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (of the pinned buffer taken last) on the device. The copy runs on a stream
-        of its own, beside the forward already queued on the current stream, which waits for
-        it before the sampler; the buffer's event marks the end of the copy."""
-        current = torch.cuda.current_stream(self.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            bits = rows.to(self.device, non_blocking=True)
-            self._events[self._turn].record(self._copy_stream)
-        current.wait_stream(self._copy_stream)
-        bits.record_stream(current)  # freed for reuse only after the current stream's use
-        return bits
+    def _mark_read(self) -> None:
+        """Records, on the current stream, that the sampler given the last ``step_mask``'s
+        device masks has been queued (called after it: by ``advance`` right after the
+        sampler's launch, or by the next ``step_mask``)."""
+        if self._reading is not None:
+            self._reading.used.record(torch.cuda.current_stream(self.device))
+            self._reading = None
+
+    def _upload(self, masks: "_Masks", lo: int, hi: int) -> None:
+        """Rows ``lo``-``hi`` of the pinned buffer copied to the device buffer on the copy
+        stream (from any thread), after the sampler that last read the device buffer; the
+        buffers' ``copied`` event marks the end of their latest copy."""
+        stream = self._copy_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(masks.used)
+            masks.dev[lo:hi].copy_(masks.host[lo:hi], non_blocking=True)
+            masks.copied.record(stream)
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:
@@ -298,14 +325,17 @@ class StructuredOutputs:
             self._accept_par(grammars, singles)
         self._fill(matchers, buf)
 
-    def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int]) -> list | None:
+    def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int],
+                    stopped: bool = True) -> list | None:
         """Each of ``grammars`` (in template order, so that each thread takes a contiguous
         run of one template) accepts its token of ``tokens``, in one parallel call; the
-        matchers, or None when a row refused its token."""
+        matchers, or None when a row refused its token. Without ``stopped`` the caller
+        checks where the grammars ended (:meth:`SequenceGrammar.check_stopped`) when all
+        accepted."""
         matchers = [grammar.matcher for grammar in grammars]
         accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
         if all(accepted):
-            SequenceGrammar.all_accepted(grammars)
+            SequenceGrammar.all_accepted(grammars, stopped)
             return matchers
         for grammar, token, ok in zip(grammars, tokens, accepted):
             grammar.accepted(ok, token)
@@ -324,21 +354,27 @@ class StructuredOutputs:
 
         llguidance.torch.fill_next_token_bitmask_par(self._fill_executor(), matchers, buf)
 
-    def _buffer(self) -> torch.Tensor:
-        """A host buffer ``[rows, words]`` for a step's masks: two pinned buffers taken in
-        turn on CUDA, each reused once its previous upload finished. A step may need a row
-        for each of the previous step's rows (filled ahead) and each of its new ones, so a
-        buffer has twice the rows of a step."""
+    def _buffer(self) -> "_Masks":
+        """The buffers ``[rows, words]`` of a step's masks: on CUDA two pairs (pinned host,
+        device) taken in turn, a host buffer reused once its previous upload finished, a
+        device buffer once the sampler that read it did (``_upload``); on the CPU one host
+        buffer. A step may need a row for each of the previous step's rows (filled ahead)
+        and each of its new ones, so a buffer has twice the rows of a step."""
         if not self._buffers:
-            pin = self.device.type == "cuda"
-            for _ in range(2 if pin else 1):
-                self._buffers.append(torch.zeros((2 * self.max_num_seqs, self.words),
-                                                 dtype=torch.int32, pin_memory=pin))
-                self._events.append(torch.cuda.Event() if pin else None)
+            cuda = self.device.type == "cuda"
+            if cuda:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            shape = (2 * self.max_num_seqs, self.words)
+            for _ in range(2 if cuda else 1):
+                host = torch.zeros(shape, dtype=torch.int32, pin_memory=cuda)
+                dev = torch.zeros(shape, dtype=torch.int32, device=self.device) if cuda else None
+                events = (torch.cuda.Event(), torch.cuda.Event()) if cuda else (None, None)
+                self._buffers.append(_Masks(host, dev, *events))
         self._turn = (self._turn + 1) % len(self._buffers)
-        if self._events[self._turn] is not None:
-            self._events[self._turn].synchronize()
-        return self._buffers[self._turn]
+        masks = self._buffers[self._turn]
+        if masks.copied is not None:
+            masks.copied.synchronize()
+        return masks
 
     def close(self) -> None:
         self.settle()
@@ -351,10 +387,32 @@ class StructuredOutputs:
 
 
 @dataclass(slots=True)
-class _AheadFill:
-    """Masks filled ahead: ``buf`` rows ``[0, count)``, fill number ``turn``."""
+class _Masks:
+    """A pinned host buffer of masks and its device buffer (None on the CPU), with the events
+    of the host buffer's latest copy and of the device buffer's latest reader."""
 
-    buf: torch.Tensor
+    host: torch.Tensor
+    dev: torch.Tensor | None
+    copied: Any
+    used: Any
+
+
+@dataclass(slots=True)
+class _AheadPlan:
+    """An ahead fill to run: ``grammars`` in template order (the rows of the masks), the
+    step's row of each (``rows``), the fill's number and its buffers."""
+
+    grammars: list
+    rows: np.ndarray
+    turn: int
+    masks: _Masks
+
+
+@dataclass(slots=True)
+class _AheadFill:
+    """Masks filled ahead: rows ``[0, count)`` of ``masks``, fill number ``turn``."""
+
+    masks: _Masks
     turn: int
     count: int
 

@@ -103,11 +103,19 @@ class SequenceGrammar:
             self.stopped_at = self.num_accepted
 
     @staticmethod
-    def all_accepted(grammars: list[SequenceGrammar]) -> None:
+    def all_accepted(grammars: list[SequenceGrammar], stopped: bool = True) -> None:
         """:meth:`accepted` of a token each of ``grammars`` took (none of them with an error),
-        in one loop (a parallel accept's rows)."""
+        in one loop (a parallel accept's rows); without ``stopped`` the caller runs
+        :meth:`check_stopped` later (before anyone reads ``ended_by``)."""
         for grammar in grammars:
             grammar.num_accepted += 1
+        if stopped:
+            SequenceGrammar.check_stopped(grammars)
+
+    @staticmethod
+    def check_stopped(grammars: list[SequenceGrammar]) -> None:
+        """Notes where each of ``grammars`` ended, if its last accepted token ended it."""
+        for grammar in grammars:
             if grammar.stopped_at < 0 and grammar.matcher.is_stopped():
                 grammar.stopped_at = grammar.num_accepted
 
