@@ -16,6 +16,12 @@ real 151k vocabulary):
 3. the sampler's step with and without masks at 256 and 1024 rows (random logits, masks of
    a JSON string position), and the host's mask fill for those rows.
 
+With ``--trace`` each timed constrained run also reports where a step's masks come from
+(``trace``, ms a call, median and mean): on the ahead fill's thread the wait for the step's
+sampled ids (``ids_wait``, the sampler's remaining device time), the parallel accept, the
+fill, the whole ahead fill (``ahead``); on the stepping thread ``step_mask`` (its wait for
+the ahead fill included).
+
     python benchmarks/structured_bench.py --out /tmp/structured            # 0.5B, 1024 x 128/128
     python benchmarks/structured_bench.py --workload tiny --out /tmp/s      # smoke (CPU)
 
@@ -27,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,17 +90,72 @@ def qwen_tokenizer():
                                    pad_token="<|endoftext|>")
 
 
-def run(engine, prompts: np.ndarray, params: list, timed: bool = False) -> dict:
+class PhaseTrace:
+    """Times ``StructuredOutputs``' phases while active (``with PhaseTrace() as t``; then
+    ``t.summary()``): each call's duration, by phase and by the thread it ran on."""
+
+    PHASES = {"_advance": "ahead", "_accept_par": "accept", "_fill": "fill",
+              "step_mask": "step_mask"}
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[float]] = {}
+
+    def _wrap(self, owner, name: str, phase: str):
+        fn = getattr(owner, name)
+        spans = self.spans
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ahead = threading.current_thread().name.startswith("grammar-ahead")
+                key = phase
+                if phase in ("accept", "fill") and not ahead:
+                    key = "in_step_" + phase  # a row new to the ahead fill
+                if ahead or phase != "ids_wait":  # the stepping thread's are not the chain's
+                    spans.setdefault(key, []).append(time.perf_counter() - t0)
+        return fn, timed
+
+    def __enter__(self) -> "PhaseTrace":
+        from actors.engine.structured import StructuredOutputs
+        from sampler.sampler_output import AsyncOutput
+
+        self._saved = []
+        for owner, name, phase in [(StructuredOutputs, n, p) for n, p in self.PHASES.items()] + [
+                (AsyncOutput, "get", "ids_wait")]:
+            fn, timed = self._wrap(owner, name, phase)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+    def summary(self) -> dict:
+        return {k: {"calls": len(v), "median_ms": statistics.median(v) * 1e3,
+                    "mean_ms": statistics.fmean(v) * 1e3} for k, v in sorted(self.spans.items())}
+
+
+def run(engine, prompts: np.ndarray, params: list, timed: bool = False,
+        trace: bool = False) -> dict:
     """One ``generate`` over every row; with ``timed`` (CUDA) also the engine's decode-step
-    figures (``StepTimer``) over steps of at least half the rows."""
+    figures (``StepTimer``) over steps of at least half the rows; with ``trace`` the
+    structured-output phases (:class:`PhaseTrace`)."""
     from actors.engine.step_timer import StepTimer
 
     timer = StepTimer().attach(engine) if timed and DEVICE == "cuda" else None
     structured = engine.structured
     ahead, here = structured.rows_ahead, structured.rows_here
+    phases = PhaseTrace() if trace else None
     sync()
     t0 = time.perf_counter()
-    outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
+    if phases is not None:
+        with phases:
+            outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
+    else:
+        outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
     sync()
     elapsed = time.perf_counter() - t0
     tokens = sum(o.num_output_tokens for o in outs)
@@ -106,6 +169,8 @@ def run(engine, prompts: np.ndarray, params: list, timed: bool = False) -> dict:
     if timer is not None:
         timer.detach()
         result["steps"] = timer.summary(min_batch=len(params) // 2)
+    if phases is not None:
+        result["trace"] = phases.summary()
     return result
 
 
@@ -132,7 +197,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         # warm-up: the workload once in full (kernels and graphs of every batch size the run
         # passes through, the schema's compile)
         run(engine, prompts, params)
-        got = run(engine, prompts, params, timed=True)
+        got = run(engine, prompts, params, timed=True, trace=args.trace)
         # the same run unconstrained: each row as many tokens as it made under the schema
         same = run(engine, prompts, [
             SamplingParams(**{**common, "max_tokens": max(1, k)}, seed=i, ignore_eos=True)
@@ -150,7 +215,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
     assert not any(errors), errors[:3]
     distinct = run(engine, prompts, [SamplingParams(**common, seed=i,
                                                     structured_outputs=distinct_so[i])
-                                     for i in range(n)], timed=True)
+                                     for i in range(n)], timed=True, trace=args.trace)
     log(f"distinct schemas: {distinct['output_tok_s']:.0f} out tok/s, "
         f"compile {compile_s * 1e3:.2f} ms/schema")
     masks = step_times(engine, args)
@@ -214,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile-samples", type=int, default=64,
                    help="distinct schemas compiled cold to time the compile")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--trace", action="store_true",
+                   help="time the structured-output phases of the constrained runs")
     args = p.parse_args(argv)
     spec, n, prompt, out, args.rows = WORKLOADS[args.workload]
     args.compile_samples = min(args.compile_samples, n)

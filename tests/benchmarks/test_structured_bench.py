@@ -12,7 +12,7 @@ def test_tiny_workload_writes_every_figure(tmp_path):
     bench = load_benchmark("structured_bench")
     result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
                          "--reps", "2", "--compile-samples", "4",
-                         "--max-batched-tokens", "128"])
+                         "--max-batched-tokens", "128", "--trace"])
     saved = json.loads((tmp_path / "structured_bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
     n = result["num_prompts"]
@@ -23,6 +23,12 @@ def test_tiny_workload_writes_every_figure(tmp_path):
         assert run["finish_reasons"]["error"] == 0
         assert sum(run["finish_reasons"].values()) == n and run["output_tok_s"] > 0
     assert result["one_schema_ratio"] > 0 and result["compile_s_per_schema"] > 0
+    # --trace: the ahead fill's phases of each constrained run, a call each step it ran
+    trace = result["one_schema"]["trace"]
+    for phase in ("ids_wait", "accept", "fill", "ahead", "step_mask"):
+        assert trace[phase]["calls"] > 0 and trace[phase]["median_ms"] > 0, phase
+    assert trace["ahead"]["calls"] == trace["ids_wait"]["calls"]
+    assert "trace" not in plain
     assert [s["rows"] for s in result["sampler_steps"]] == [4, 8]
     assert all(s["sampler_masked_ms"] > 0 and s["mask_fill_ms"] > 0
                for s in result["sampler_steps"])
