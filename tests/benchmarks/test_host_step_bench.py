@@ -13,3 +13,10 @@ def test_host_step_bench_times_each_phase_for_both_mixes(capsys):
         assert all(0 < ms < 1000 for ms in phases.values())
     out = capsys.readouterr().out
     assert "job    batch 16:" in out and "per decode step" in out
+
+
+def test_host_step_bench_structured_mix_runs_constrained_rows():
+    results = load_benchmark("host_step_bench").main(["--batch", "8", "--output-len", "10",
+                                                      "--mix", "structured"])
+    assert set(results) == {"structured"}
+    assert all(0 < ms < 1000 for ms in results["structured"].values())
