@@ -68,11 +68,15 @@ class OutputProcessor:
                 lp_rows.append(row)
             token, pos = tokens[row], pending_pos[row]
             end = pos + 1
+            grammar = seq.grammar
             if (seq.detok is None and end < seq.max_num_tokens and end < max_len
-                    and seq.grammar is None and token not in seq.request.stop_token_ids):
+                    and token not in seq.request.stop_token_ids
+                    and (grammar is None or (grammar.error_at < 0 and grammar.stopped_at < 0
+                                             and grammar.num_accepted >= end - seq.num_prompt))):
                 # append_token's path for a token that cannot end the sequence (no text to
-                # check for stop strings, not a stop token, not the last allowed position),
-                # inlined: this loop runs for every row of every step
+                # check for stop strings, not a stop token, not the last allowed position;
+                # a grammar that accepted it already, without an error or an end), inlined:
+                # this loop runs for every row of every step
                 seq.token_ids[pos] = token
                 seq.num_pending -= 1
             elif append_token(seq, token, pos):

@@ -69,3 +69,73 @@ def test_few_rows_share_one_template():
         structured.release(seq)
     assert request.grammar.result().live == [0] and structured.num_active == 0
     structured.close()
+
+
+class _Matcher:
+    """A matcher that takes every token but ``refuse`` and ends after ``end``."""
+
+    def __init__(self, refuse: int = -1, end: int = -1) -> None:
+        self.refuse, self.end, self.last = refuse, end, None
+
+    def consume_token(self, token: int) -> bool:
+        self.last = token
+        return token != self.refuse
+
+    def is_stopped(self) -> bool:
+        return self.last == self.end
+
+    def get_error(self) -> str:
+        return "refused"
+
+
+def test_apply_step_ends_constrained_rows_as_append_token_does():
+    """``OutputProcessor.apply_step`` writes a constrained row's token on its inline path only
+    when the grammar took it already, without an error or an end; every other case (taken
+    now, refused, ended by it, EOS, the last allowed token) goes through ``append_token``: the
+    outcome of each row equals ``append_token``'s on a copy of the row."""
+    import copy
+
+    from actors.engine.output_processor import OutputProcessor
+    from actors.engine.sequence import PENDING
+    from actors.engine.structured_sequence import SequenceGrammar
+
+    eos, prompt = 2, [7, 8, 9]
+    params = SamplingParams(max_tokens=4, detokenize=False)
+    request = Request("r", prompt, params, 0, 0)
+    request.stop_token_ids = {eos}
+    op = OutputProcessor(None, max_model_len=1000, vocab_size=VOCAB)
+    # (tokens before, the grammar's matcher, whether the ahead fill accepted the new token,
+    # the new token)
+    cases = [([5], _Matcher(), True, 6),             # taken ahead: inline
+             ([5], _Matcher(end=6), True, 6),        # the grammar ended with it: "stop"
+             ([5], _Matcher(refuse=6), True, 6),     # refused: "error"
+             ([5], _Matcher(), False, 6),            # not taken yet: append_token takes it
+             ([5], _Matcher(end=6), False, 6),       # ... and it ends the grammar
+             ([5], _Matcher(), True, eos),           # EOS where the grammar may end
+             ([5, 5, 5], _Matcher(), True, 6)]       # the last allowed token: "length"
+    seqs, pending = [], []
+    for before, matcher, ahead, token in cases:
+        seq = Sequence(request, 0, list(prompt))
+        seq.grammar = SequenceGrammar(matcher)
+        seq.grammar.accept(before)
+        seq.token_ids += before
+        op.start(seq)
+        pending.append(len(seq.token_ids))
+        seq.token_ids.append(PENDING)
+        seq.num_pending += 1
+        if ahead:  # as the ahead fill does before the step's outputs are processed
+            seq.grammar.accept([token])
+        seqs.append(seq)
+    copies = copy.deepcopy(seqs)
+    tokens = [case[3] for case in cases]
+    done = op.apply_step(seqs, pending, tokens, None, None, None, None, None)
+    want_done = [c for c, pos, token in zip(copies, pending, tokens)
+                 if op.append_token(c, token, pos)]
+    assert [seqs.index(s) for s in done] == [copies.index(c) for c in want_done]
+    assert [s.finish_reason for s in seqs] == [c.finish_reason for c in copies]
+    assert [s.finish_reason for s in seqs] == [None, "stop", "error", None, "stop", "stop",
+                                               "length"]
+    for seq, copied in zip(seqs, copies):
+        assert seq.token_ids == copied.token_ids and seq.num_pending == copied.num_pending
+        assert seq.grammar.num_accepted == copied.grammar.num_accepted
+        assert (seq.grammar.error is None) == (copied.grammar.error is None)
