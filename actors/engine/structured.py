@@ -162,8 +162,9 @@ class StructuredOutputs:
         cannot change for a token it has not accepted).
 
         What needs no sampled id is done here, off the fill's path: the rows in template
-        order, and each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``;
-        the ahead fill takes it back from a row that refuses its token). The ahead fill
+        order, each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``; the
+        ahead fill takes it back from a row that refuses its token) and the lists of its
+        llguidance calls. The ahead fill
         uploads its masks itself, and notes where the grammars ended after the upload is
         queued."""
         self.settle()
@@ -188,7 +189,9 @@ class StructuredOutputs:
                 turn, j, grammar.num_accepted + 1
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self._buffer())
+        matchers = [grammar.matcher for grammar in picked]
+        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self._buffer(),
+                          matchers, list(zip(matchers, range(len(picked)))))
         self._ahead = self._ahead_pool.submit(self._advance, plan, output)
         self._ahead_of = output
 
@@ -206,17 +209,17 @@ class StructuredOutputs:
         tokens = output.get().token_ids
         if hasattr(tokens, "numpy"):
             tokens = tokens.numpy()
-        grammars = plan.grammars
-        if self._accept_par(grammars, np.asarray(tokens)[plan.rows].tolist(),
-                            stopped=False) is None:  # some row refused its token
+        grammars, targets = plan.grammars, plan.targets
+        if self._accept_par(grammars, np.asarray(tokens)[plan.rows].tolist(), stopped=False,
+                            matchers=plan.matchers) is None:  # some row refused its token
             for grammar in grammars:
                 if grammar.error is not None:
                     grammar.mask_turn = -1  # it takes no mask
             grammars = [grammar for grammar in grammars if grammar.error is None]
+            targets = [(grammar.matcher, grammar.mask_row) for grammar in grammars]
         masks = plan.masks
         if grammars:
-            self._fill([(grammar.matcher, grammar.mask_row) for grammar in grammars],
-                       masks.host)
+            self._fill(targets, masks.host)
             if masks.dev is not None:
                 self._upload(masks, 0, len(plan.grammars))
             SequenceGrammar.check_stopped(grammars)
@@ -326,13 +329,14 @@ class StructuredOutputs:
         self._fill(matchers, buf)
 
     def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int],
-                    stopped: bool = True) -> list | None:
+                    stopped: bool = True, matchers: list | None = None) -> list | None:
         """Each of ``grammars`` (in template order, so that each thread takes a contiguous
         run of one template) accepts its token of ``tokens``, in one parallel call; the
         matchers, or None when a row refused its token. Without ``stopped`` the caller
         checks where the grammars ended (:meth:`SequenceGrammar.check_stopped`) when all
-        accepted."""
-        matchers = [grammar.matcher for grammar in grammars]
+        accepted; ``matchers``: the grammars' matchers, when the caller has them."""
+        if matchers is None:
+            matchers = [grammar.matcher for grammar in grammars]
         accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
         if all(accepted):
             SequenceGrammar.all_accepted(grammars, stopped)
@@ -400,12 +404,16 @@ class _Masks:
 @dataclass(slots=True)
 class _AheadPlan:
     """An ahead fill to run: ``grammars`` in template order (the rows of the masks), the
-    step's row of each (``rows``), the fill's number and its buffers."""
+    step's row of each (``rows``), the fill's number and its buffers, and the lists its
+    llguidance calls take (built before the sampled ids are known): the matchers, and each
+    with its row of the masks."""
 
     grammars: list
     rows: np.ndarray
     turn: int
     masks: _Masks
+    matchers: list
+    targets: list
 
 
 @dataclass(slots=True)
