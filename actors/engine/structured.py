@@ -164,9 +164,8 @@ class StructuredOutputs:
         What needs no sampled id is done here, off the fill's path: the rows in template
         order, each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``; the
         ahead fill takes it back from a row that refuses its token) and the lists of its
-        llguidance calls. The ahead fill
-        uploads its masks itself, and notes where the grammars ended after the upload is
-        queued."""
+        llguidance calls. The ahead fill uploads its masks itself, and notes where the
+        grammars ended after the upload is queued."""
         self.settle()
         self._mark_read()  # the sampler that reads the last step_mask's masks is queued
         picked, rows = [], []
@@ -206,12 +205,10 @@ class StructuredOutputs:
             self._done = future.result()
 
     def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
-        tokens = output.get().token_ids
-        if hasattr(tokens, "numpy"):
-            tokens = tokens.numpy()
+        tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
         grammars, targets = plan.grammars, plan.targets
-        if self._accept_par(grammars, np.asarray(tokens)[plan.rows].tolist(), stopped=False,
-                            matchers=plan.matchers) is None:  # some row refused its token
+        if not self._accept_par(grammars, tokens, stopped=False,
+                                matchers=plan.matchers):  # some row refused its token
             for grammar in grammars:
                 if grammar.error is not None:
                     grammar.mask_turn = -1  # it takes no mask
@@ -329,10 +326,10 @@ class StructuredOutputs:
         self._fill(matchers, buf)
 
     def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int],
-                    stopped: bool = True, matchers: list | None = None) -> list | None:
+                    stopped: bool = True, matchers: list | None = None) -> bool:
         """Each of ``grammars`` (in template order, so that each thread takes a contiguous
-        run of one template) accepts its token of ``tokens``, in one parallel call; the
-        matchers, or None when a row refused its token. Without ``stopped`` the caller
+        run of one template) accepts its token of ``tokens``, in one parallel call; whether
+        every row took its token. Without ``stopped`` the caller
         checks where the grammars ended (:meth:`SequenceGrammar.check_stopped`) when all
         accepted; ``matchers``: the grammars' matchers, when the caller has them."""
         if matchers is None:
@@ -340,10 +337,10 @@ class StructuredOutputs:
         accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
         if all(accepted):
             SequenceGrammar.all_accepted(grammars, stopped)
-            return matchers
+            return True
         for grammar, token, ok in zip(grammars, tokens, accepted):
             grammar.accepted(ok, token)
-        return None
+        return False
 
     def _fill_executor(self) -> Any:
         """llguidance's thread pool of the parallel accept and mask fill."""
