@@ -31,6 +31,7 @@ JSON lands in ``--out/structured_bench.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -109,12 +110,12 @@ class PhaseTrace:
             try:
                 return fn(*args, **kwargs)
             finally:
-                ahead = threading.current_thread().name.startswith("grammar-ahead")
-                key = phase
-                if phase in ("accept", "fill") and not ahead:
-                    key = "in_step_" + phase  # a row new to the ahead fill
-                if ahead or phase != "ids_wait":  # the stepping thread's are not the chain's
-                    spans.setdefault(key, []).append(time.perf_counter() - t0)
+                if threading.current_thread().name.startswith("grammar-ahead"):
+                    spans.setdefault(phase, []).append(time.perf_counter() - t0)
+                elif phase in ("accept", "fill"):  # rows new to the ahead fill
+                    spans.setdefault("in_step_" + phase, []).append(time.perf_counter() - t0)
+                elif phase != "ids_wait":  # the stepping thread's reads are not the chain's
+                    spans.setdefault(phase, []).append(time.perf_counter() - t0)
         return fn, timed
 
     def __enter__(self) -> "PhaseTrace":
@@ -151,10 +152,7 @@ def run(engine, prompts: np.ndarray, params: list, timed: bool = False,
     phases = PhaseTrace() if trace else None
     sync()
     t0 = time.perf_counter()
-    if phases is not None:
-        with phases:
-            outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
-    else:
+    with phases or contextlib.nullcontext():
         outs = engine.generate([(i, prompts[i].tolist(), p) for i, p in enumerate(params)])
     sync()
     elapsed = time.perf_counter() - t0
