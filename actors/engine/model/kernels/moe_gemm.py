@@ -239,6 +239,12 @@ def _strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     return (w.stride(0), w.stride(2), w.stride(1)) if transposed else w.stride()
 
 
+def _stages(stages: int, x: torch.Tensor) -> int:
+    """A tile's pipeline stages for operands like ``x``: float32 ones (exact products) take
+    twice the shared memory a stage, and two stages fit."""
+    return min(stages, 2) if x.element_size() > 2 else stages
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
                   gate_up_bias: torch.Tensor | None = None,
@@ -274,10 +280,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
     se, sn, sk = _strides(gate_up, layout.transposed)
     up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
-    # float32 operands (exact products) take twice the shared memory a stage: two stages fit
-    deep = 2 if x.element_size() > 2 else None
     bn, bk, warps, stages = config.gate_up
-    stages = min(stages, deep or stages)
+    stages = _stages(stages, x)
     _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
         x, gate_up, gate_up if gate_up_bias is None else gate_up_bias, h, sorted_pairs,
         block_expert, blocks, num_pairs, inter, hidden, top_k, x.stride(0), se, sn, sk, up_offset,
@@ -288,7 +292,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     se, sn, sk = _strides(down, layout.transposed)
     bn, bk, warps, stages = config.down
-    stages = min(stages, deep or stages)
+    stages = _stages(stages, x)
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
         h, down, down if down_bias is None else down_bias, weights, pairs, sorted_pairs,
         block_expert, blocks, num_pairs, hidden, inter, h.stride(0), se, sn, sk,

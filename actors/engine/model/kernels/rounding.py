@@ -21,9 +21,7 @@ def round_to(x, dtype: tl.constexpr):
     by a cast)."""
     if dtype == tl.float32:
         return x
-    elif NATIVE_CASTS:
-        return x.to(dtype).to(tl.float32)
-    elif dtype == tl.bfloat16:
+    elif dtype == tl.bfloat16 and not NATIVE_CASTS:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
