@@ -181,6 +181,29 @@ def run_batch(engine, prompts: np.ndarray, out: int) -> dict:
     return stats
 
 
+def profile_decode(engine, n: int, prompt: int, max_tokens: int, steps: int, vocab: int,
+                   rng) -> list[dict]:
+    """The device time of each kernel of ``steps`` pure-decode steps of ``n`` rows
+    (``torch.profiler``), microseconds a step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_requests([(f"p{i}", rng.integers(100, vocab - 1, prompt).tolist(),
+                          {"max_tokens": steps + 16, "ignore_eos": True}) for i in range(n)])
+    for _ in range(-(-n * prompt // max_tokens) + 4):  # prefill, then a few decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps,
+             "calls_per_step": e.count / steps}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 def run_path(model, path: Path, which: str, batches: list[int], prompt: int, out: int,
              args) -> dict:
     from actors.engine.llm_engine import Engine
@@ -207,6 +230,14 @@ def run_path(model, path: Path, which: str, batches: list[int], prompt: int, out
         log(f"  {which}: {n} prompts x {prompt}/{out}")
         result["batches"][str(n)] = run_batch(engine, prompts, out)
         log(f"  {which}: {json.dumps(result['batches'][str(n)])}")
+    if args.profile_steps and DEVICE == "cuda":
+        try:
+            result["profile"] = profile_decode(engine, max(batches), prompt,
+                                               args.max_batched_tokens, args.profile_steps,
+                                               vocab, rng)
+            log(f"  {which}: decode step kernels {json.dumps(result['profile'][:12])}")
+        except Exception as exc:  # noqa: BLE001 - a benchmark records what failed
+            result["profile"] = {"error": repr(exc)}
     engine.sleep(1)  # the KV pages and captured graphs go now, before the next engine
     del engine
     gc.collect()
@@ -229,17 +260,46 @@ def _median_ms(fn, reps: int = 20) -> float:
     return float(np.median(times))
 
 
-def _sweep_candidates():
-    from actors.engine.model.kernels.moe_gemm import TileConfig
+def _graph_ms(fn, calls: int = 10, reps: int = 10) -> float:
+    """Median device ms of one call of ``fn``, from replays of a CUDA graph of ``calls``
+    calls (no host launch time in the figure, as in the engine's graphed decode)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return float(np.median(times))
 
-    return {"bm32": TileConfig(32, 8, (64, 128, 4, 4), (128, 128, 4, 4)),
-            "bm64_n128": TileConfig(64, 8, (128, 64, 4, 3), (128, 64, 4, 4)),
-            "bm64_n64": TileConfig(64, 8, (64, 64, 4, 4), (64, 128, 4, 4)),
-            "bm64_k64_s4": TileConfig(64, 8, (64, 64, 4, 4), (128, 64, 4, 4)),
-            "bm64_group1": TileConfig(64, 1, (64, 128, 4, 3), (128, 128, 4, 3)),
-            "bm128": TileConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 4)),
-            "bm128_group16": TileConfig(128, 16, (64, 64, 8, 3), (128, 64, 8, 4)),
-            "bm64_prefill": TileConfig(64, 8, (128, 64, 8, 3), (128, 64, 4, 4))}
+
+#: tiles the sweep tries for each GEMM, (block_n, block_k, warps, stages), by orientation
+_GATE_UP_TILES = {False: [(128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 4)],
+                  True: [(128, 64, 4, 4), (128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 3),
+                         (64, 64, 4, 4), (64, 128, 4, 3), (128, 32, 4, 6), (256, 64, 8, 3),
+                         (128, 64, 8, 4), (64, 64, 2, 4)]}
+_DOWN_TILES = {False: [(128, 128, 4, 3), (128, 64, 4, 4)],
+               True: [(128, 64, 4, 4), (128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 4),
+                      (64, 64, 4, 6), (128, 32, 4, 6), (256, 64, 8, 4), (256, 32, 8, 6),
+                      (64, 128, 4, 3), (128, 128, 4, 3)]}
+#: (block_m, group_m, swap, tma) of the sweep's families
+_FAMILIES = [(64, 8, False, False), (32, 8, True, False), (32, 1, True, False),
+             (64, 8, True, False), (64, 1, True, False), (32, 8, True, True),
+             (64, 8, True, True)]
 
 
 def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
@@ -263,15 +323,26 @@ def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
     return module
 
 
-@torch.no_grad()
+def _timed(fn, nbytes: float, graphed: bool = True) -> dict:
+    try:
+        ms = _graph_ms(fn) if graphed else _median_ms(fn)
+    except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result
+        return {"error": repr(exc)[:200]}
+    return {"ms": ms, "tb_s": nbytes / ms / 1e9}
+
+
 def kernel_sweep(spec: dict, batches: list[int]) -> dict:
-    """One MoE layer's routed experts alone for each row count (the decode batches and a
-    prefill step): the fused kernels with the table's tiles and with other candidates, and
-    transformers' grouped_mm experts; ms, the expert bytes read per ms (TB/s), TFLOP/s."""
-    from actors.engine.model.kernels.moe_gemm import ExpertLayout, fused_experts, pick_config
+    """One MoE layer's routed experts alone for each row count: each launch of the fused path
+    timed apart (the sort, the gate/up GEMM, the down GEMM, the sum over a token's experts)
+    for each family of :data:`_FAMILIES` and each GEMM tile, the table's tiles end to end,
+    and transformers' grouped_mm experts; ms and the expert bytes read per ms (TB/s).
+    ``best`` is the fastest family with its fastest tiles (the sum of its launches)."""
+    from actors.engine.model.kernels import moe_gemm
+    from actors.engine.model.kernels.moe_align import moe_align
 
     experts, top_k, width = _moe_shape(spec)
     h = spec["hidden_size"]
+    layout = moe_gemm.ExpertLayout()
     gate_up = torch.randn(experts, 2 * width, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
     down = torch.randn(experts, h, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
     hf = _hf_experts(spec, gate_up, down)
@@ -280,27 +351,49 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
         x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(rows, experts, device="cuda").topk(top_k, -1)[1]
         weights = torch.rand(rows, top_k, device="cuda").softmax(-1).to(torch.bfloat16)
+        flat_w = weights.reshape(-1).contiguous()
         touched = float((torch.bincount(ids.flatten(), minlength=experts) > 0).sum())
-        layer_bytes = touched * 3 * h * width * 2
-        flops = 2 * rows * top_k * 3 * h * width
-        row = {"experts_touched": touched}
-        configs = {"table": pick_config(rows * top_k, experts), **_sweep_candidates()}
-        for name, config in configs.items():
-            try:
-                ms = _median_ms(lambda c=config: fused_experts(x, ids, weights, gate_up, down,
-                                                               ExpertLayout(), config=c))
-                row[name] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9,
-                             "tflops": flops / ms / 1e9}
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is a result
-                row[name] = {"error": repr(exc)}
-        try:
-            ms = _median_ms(lambda: hf(x, ids, weights))
-            row["hf_grouped_mm"] = {"ms": ms, "tb_s": layer_bytes / ms / 1e9,
-                                    "tflops": flops / ms / 1e9}
-        except Exception as exc:  # noqa: BLE001 - a benchmark records what failed
-            row["hf_grouped_mm"] = {"error": repr(exc)}
+        gu_bytes, down_bytes = touched * 2 * h * width * 2, touched * h * width * 2
+        row = {"experts_touched": touched, "floor_ms": (gu_bytes + down_bytes) / COPY_TBPS / 1e9}
+        table = moe_gemm.pick_config(rows * top_k, experts)
+        row["table"] = {"config": repr(table), **_timed(
+            lambda: moe_gemm.fused_experts(x, ids, weights, gate_up, down, layout),
+            gu_bytes + down_bytes)}
+        pairs = torch.empty(rows * top_k, h, device="cuda", dtype=torch.bfloat16)
+        row["sum"] = _timed(lambda: pairs.view(rows, top_k, h).sum(1), 0)
+        best = None
+        for bm, group, swap, tma in _FAMILIES:
+            fam = {}
+            sorted_pairs, block_expert = moe_align(ids, experts, bm)
+            fam["align"] = _timed(lambda: moe_align(ids, experts, bm), 0)
+            base = moe_gemm.TileConfig(bm, group, (64, 64, 4, 2), (64, 64, 4, 2), swap, tma)
+            hid = moe_gemm.expert_gate_up(x, sorted_pairs, block_expert, top_k, gate_up, layout,
+                                          None, base)
+            for tile in _GATE_UP_TILES[swap]:
+                cfg = moe_gemm.TileConfig(bm, group, tile, base.down, swap, tma)
+                fam[f"gate_up{tile}"] = _timed(lambda c=cfg: moe_gemm.expert_gate_up(
+                    x, sorted_pairs, block_expert, top_k, gate_up, layout, None, c), gu_bytes)
+            for tile in _DOWN_TILES[swap]:
+                cfg = moe_gemm.TileConfig(bm, group, base.gate_up, tile, swap, tma)
+                fam[f"down{tile}"] = _timed(lambda c=cfg: moe_gemm.expert_down(
+                    hid, sorted_pairs, block_expert, flat_w, down, layout, None, c), down_bytes)
+            gu = min((v["ms"], k) for k, v in fam.items() if k.startswith("gate_up") and "ms" in v)
+            dn = min((v["ms"], k) for k, v in fam.items() if k.startswith("down") and "ms" in v)
+            total = fam["align"]["ms"] + gu[0] + dn[0] + row["sum"]["ms"]
+            name = f"bm{bm}_g{group}{'_swap' if swap else ''}{'_tma' if tma else ''}"
+            fam["total_ms"] = total
+            row[name] = fam
+            log(f"  {rows} rows {name}: {total:.3f} ms (gate/up {gu}, down {dn})")
+            if best is None or total < best["ms"]:
+                best = {"ms": total, "family": name, "gate_up": gu[1], "down": dn[1],
+                        "tb_s": (gu_bytes + down_bytes) / total / 1e9}
+        row["best"] = best
+        row["hf_grouped_mm"] = _timed(lambda: hf(x, ids, weights), gu_bytes + down_bytes,
+                                      graphed=False)  # its routing syncs with the host
         out[str(rows)] = row
-        log(f"  kernels at {rows} rows: {json.dumps(row)}")
+        log(f"  kernels at {rows} rows: floor {row['floor_ms']:.3f} ms, table "
+            f"{row['table'].get('ms')}, best {json.dumps(best)}, "
+            f"grouped_mm {row['hf_grouped_mm'].get('ms')}")
     del gate_up, down, hf
     torch.cuda.empty_cache()
     return out
@@ -317,6 +410,8 @@ def bench(name: str, args) -> dict:
     if args.kernel_sweep and DEVICE == "cuda":
         log(f"{name}: one layer's experts alone")
         result["kernels"] = kernel_sweep(spec, [*batches, args.max_batched_tokens])
+    if not args.paths:
+        return result
     log(f"{name}: building the model")
     t0 = time.perf_counter()
     model = build_model(spec)
@@ -369,6 +464,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--kernel-sweep", action="store_true",
                    help="also time one layer's experts alone (CUDA): the tile table, other "
                    "tiles, transformers' grouped_mm")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="also list the kernels of this many decode steps of each path")
     p.add_argument("--out", default=".", help="directory for moe_bench.json")
     p.add_argument("--tmp", default=None, help="where the config and tokenizer are written")
     args = p.parse_args(argv)

@@ -99,6 +99,29 @@ def _tile(num_m, num_n, GROUP_M: tl.constexpr):
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
+@triton.jit
+def _activation(gate, up, alpha, limit, dt: tl.constexpr, SWIGLU: tl.constexpr):
+    """The experts' activation of rounded ``gate`` / ``up`` tiles, rounded as torch's ops."""
+    if SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(gate * alpha, dt))), dt)
+        glu = round_to(gate * sig, dt)
+        return round_to(round_to(up + 1.0, dt) * glu, dt)
+    else:
+        return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt) * up, dt)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
 @triton.jit(do_not_specialize=["num_m", "num_pairs"])
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_m,
                     num_pairs, N, K, top_k, stride_xm, stride_we, stride_wn, stride_wk, up_offset,
@@ -127,14 +150,8 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        if IEEE:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+        acc_g = _mma(a, g, acc_g, IEEE, UPCAST)
+        acc_u = _mma(a, u, acc_u, IEEE, UPCAST)
         a_ptrs += BK
         g_ptrs += BK * stride_wk
         u_ptrs += BK * stride_wk
@@ -146,16 +163,63 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[None, :], dt)
         up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[None, :],
                       dt)
-    if SWIGLU:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(gate * alpha, dt))), dt)
-        glu = round_to(gate * sig, dt)
-        h = round_to(round_to(up + 1.0, dt) * glu, dt)
-    else:
-        h = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt) * up, dt)
+    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_m", "num_pairs"])
+def _gate_up_swapped_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+                            num_m, num_pairs, N, K, top_k, w_rows, stride_xm, stride_we,
+                            stride_wn, stride_wk, up_offset, n_step, stride_be, stride_om, alpha,
+                            limit, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            GROUP_M: tl.constexpr):
+    """:func:`_gate_up_kernel` transposed: ``acc [BN, BM] = W x^T``, the weight tile the MMA's
+    row operand (with ``TMA``, read through ``w_desc``, the weights as ``[E * w_rows, K]``)."""
+    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + tok[None, :] * stride_xm + k[:, None]
+    g_ptrs = w_ptr + e * stride_we + (n * n_step)[:, None] * stride_wn + k[None, :] * stride_wk
+    u_ptrs = g_ptrs + up_offset * stride_wn
+    g_row = (e * w_rows + pid_n * BN).to(tl.int32)
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = k < K - k0
+        xt = tl.load(x_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        if TMA:
+            g = w_desc.load([g_row, k0])
+            u = w_desc.load([g_row + up_offset, k0])
+        else:
+            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g = _mma(g, xt, acc_g, IEEE, UPCAST)
+        acc_u = _mma(u, xt, acc_u, IEEE, UPCAST)
+        x_ptrs += BK
+        g_ptrs += BK * stride_wk
+        u_ptrs += BK * stride_wk
+    dt = out_ptr.dtype.element_ty
+    gate = round_to(acc_g, dt)
+    up = round_to(acc_u, dt)
+    if HAS_BIAS:
+        bg = b_ptr + e * stride_be + n * n_step
+        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[:, None], dt)
+        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[:, None],
+                      dt)
+    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
+    out = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None]
+    tl.store(out, h.to(dt), mask=n_ok[:, None] & valid[None, :])
 
 
 @triton.jit(do_not_specialize=["num_m", "num_pairs"])
@@ -181,12 +245,7 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_
         k_ok = k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _mma(a, w, acc, IEEE, UPCAST)
         a_ptrs += BK
         w_ptrs += BK * stride_wk
     dt = out_ptr.dtype.element_ty
@@ -200,27 +259,76 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_
     tl.store(out, y.to(dt), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_m", "num_pairs"])
+def _down_swapped_kernel(h_ptr, w_ptr, w_desc, b_ptr, rw_ptr, out_ptr, sorted_ptr,
+                         block_expert_ptr, num_m, num_pairs, N, K, w_rows, stride_hm, stride_we,
+                         stride_wn, stride_wk, stride_be, stride_om, HAS_BIAS: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    """:func:`_down_kernel` transposed, as :func:`_gate_up_swapped_kernel`."""
+    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k = tl.arange(0, BK)
+    h_ptrs = h_ptr + rows[None, :].to(tl.int64) * stride_hm + k[:, None]
+    w_ptrs = w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :] * stride_wk
+    w_row = (e * w_rows + pid_n * BN).to(tl.int32)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = k < K - k0
+        ht = tl.load(h_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
+        if TMA:
+            w = w_desc.load([w_row, k0])
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _mma(w, ht, acc, IEEE, UPCAST)
+        h_ptrs += BK
+        w_ptrs += BK * stride_wk
+    dt = out_ptr.dtype.element_ty
+    y = round_to(acc, dt)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = round_to(y + bias[:, None], dt)
+    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
+    y = round_to(y * rw[None, :], dt)
+    out = out_ptr + tl.where(valid, pair, 0)[None, :].to(tl.int64) * stride_om + n[:, None]
+    tl.store(out, y.to(dt), mask=n_ok[:, None] & valid[None, :])
+
+
 @dataclass(frozen=True, slots=True)
 class TileConfig:
     """Rows per block (shared by the sort and both GEMMs), row blocks per group of the tile
-    order, and each GEMM's ``(block_n, block_k, num_warps, num_stages)``."""
+    order, and each GEMM's ``(block_n, block_k, num_warps, num_stages)``. ``swap``: the GEMMs
+    compute their tiles transposed (the weights the MMA's row operand, a block's rows its
+    columns); ``tma``: the swapped GEMMs read the weights through tensor descriptors (Hopper's
+    bulk copies), where the layout allows it (:func:`tma_layout`)."""
 
     block_m: int
     group_m: int
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
+    swap: bool = False
+    tma: bool = False
 
 
 #: (max pairs per expert, tiles), first match. Decode batches get one or two row blocks per
 #: expert, so each expert's weights are read about once; the gate/up GEMM holds two
-#: accumulators (gate and up) of ``block_m x block_n``. Prefill takes 128-row blocks, grouped
-#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2. The
-#: decode rows are the fastest of a sweep on an H200 (Qwen3-30B-A3B's experts, one layer at
-#: 512 and 1,024 rows: docs/benchmarks.md, MoE).
+#: accumulators (gate and up) of ``block_m x block_n``. From ~32 pairs an expert the GEMMs run
+#: transposed with the weights read through descriptors (Qwen3-30B-A3B's experts, one layer
+#: in CUDA graphs on an H200: 0.344 -> 0.315 ms at 512 rows against a read floor of 0.290;
+#: 0.450 -> 0.377 at 1,024: docs/benchmarks.md, MoE). Prefill takes 128-row blocks, grouped
+#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2.
 _CONFIGS: tuple[tuple[int | None, TileConfig], ...] = (
     (12, TileConfig(16, 8, (64, 128, 4, 4), (128, 128, 4, 4))),
-    (48, TileConfig(64, 8, (128, 64, 4, 4), (128, 128, 4, 3))),
-    (64, TileConfig(64, 4, (64, 128, 4, 4), (128, 128, 4, 3))),
+    (48, TileConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 4), swap=True, tma=True)),
+    (64, TileConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 3), swap=True, tma=True)),
     (None, TileConfig(128, 8, (64, 64, 8, 3), (128, 64, 8, 4))),
 )
 
@@ -245,6 +353,85 @@ def _stages(stages: int, x: torch.Tensor) -> int:
     return min(stages, 2) if x.element_size() > 2 else stages
 
 
+def tma_layout(w: torch.Tensor, layout: ExpertLayout) -> bool:
+    """Whether ``w`` can be read through a tensor descriptor as ``[E * N, K]``: rows of
+    contiguous reduction (neither transposed nor interleaved) in 16-byte aligned rows."""
+    return (not layout.transposed and not layout.interleaved and w.is_contiguous()
+            and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
+def expert_gate_up(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+                   top_k: int, gate_up: torch.Tensor, layout: ExpertLayout,
+                   gate_up_bias: torch.Tensor | None, config: TileConfig) -> torch.Tensor:
+    """The activated gate/up rows ``[blocks * block_m, I]`` in sorted order (rows of padding
+    left unwritten), of :func:`moe_align`'s ``sorted_pairs`` / ``block_expert``."""
+    num_pairs = x.shape[0] * top_k
+    inter = gate_up.shape[2] // 2 if layout.transposed else gate_up.shape[1] // 2
+    hidden = x.shape[-1]
+    bm, blocks = config.block_m, block_expert.numel()
+    h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
+    se, sn, sk = _strides(gate_up, layout.transposed)
+    up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
+    bn, bk, warps, stages = config.gate_up
+    grid = (blocks * triton.cdiv(inter, bn),)
+    common = dict(SWIGLU=layout.activation == "swiglu_oai", HAS_BIAS=gate_up_bias is not None,
+                  IEEE=x.dtype == torch.float32, UPCAST=interpreted(), BM=bm, BN=bn, BK=bk,
+                  GROUP_M=config.group_m, num_warps=warps, num_stages=_stages(stages, x))
+    bias = gate_up if gate_up_bias is None else gate_up_bias
+    bias_stride = 0 if gate_up_bias is None else gate_up_bias.stride(0)
+    if config.swap:
+        tma = config.tma and tma_layout(gate_up, layout)
+        desc = _descriptor(gate_up, bn, bk) if tma else gate_up
+        _gate_up_swapped_kernel[grid](
+            x, gate_up, desc, bias, h, sorted_pairs, block_expert, blocks, num_pairs, inter,
+            hidden, top_k, 2 * inter, x.stride(0), se, sn, sk, up_offset, n_step, bias_stride,
+            h.stride(0), float(layout.alpha), float(layout.limit), TMA=tma, **common)
+    else:
+        _gate_up_kernel[grid](
+            x, gate_up, bias, h, sorted_pairs, block_expert, blocks, num_pairs, inter, hidden,
+            top_k, x.stride(0), se, sn, sk, up_offset, n_step, bias_stride, h.stride(0),
+            float(layout.alpha), float(layout.limit), **common)
+    return h
+
+
+def expert_down(h: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+                weights: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
+                down_bias: torch.Tensor | None, config: TileConfig) -> torch.Tensor:
+    """The weighted down projection of :func:`expert_gate_up`'s rows, ``[num_pairs, H]`` in
+    pair order (``weights``: the flat ``[num_pairs]`` routing weights)."""
+    num_pairs = weights.numel()
+    hidden = down.shape[2] if layout.transposed else down.shape[1]
+    inter = h.shape[1]
+    bm, blocks = config.block_m, block_expert.numel()
+    pairs = torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
+    se, sn, sk = _strides(down, layout.transposed)
+    bn, bk, warps, stages = config.down
+    grid = (blocks * triton.cdiv(hidden, bn),)
+    common = dict(HAS_BIAS=down_bias is not None, IEEE=h.dtype == torch.float32,
+                  UPCAST=interpreted(), BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m,
+                  num_warps=warps, num_stages=_stages(stages, h))
+    bias = down if down_bias is None else down_bias
+    bias_stride = 0 if down_bias is None else down_bias.stride(0)
+    if config.swap:
+        tma = config.tma and tma_layout(down, layout)
+        desc = _descriptor(down, bn, bk) if tma else down
+        _down_swapped_kernel[grid](
+            h, down, desc, bias, weights, pairs, sorted_pairs, block_expert, blocks, num_pairs,
+            hidden, inter, hidden, h.stride(0), se, sn, sk, bias_stride, pairs.stride(0),
+            TMA=tma, **common)
+    else:
+        _down_kernel[grid](
+            h, down, bias, weights, pairs, sorted_pairs, block_expert, blocks, num_pairs, hidden,
+            inter, h.stride(0), se, sn, sk, bias_stride, pairs.stride(0), **common)
+    return pairs
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor, layout: ExpertLayout,
                   gate_up_bias: torch.Tensor | None = None,
@@ -253,7 +440,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """:func:`fused_experts_torch` in four launches.
 
     Args:
-        x: ``[T, H]`` activations (contiguous rows).
+        x: ``[T, H]`` activations.
         ids: ``[T, k]`` chosen experts (int32/int64).
         weights: ``[T, k]`` their routing weights (any float dtype).
         gate_up, down: the experts' weights in ``layout`` (``x``'s dtype).
@@ -263,42 +450,18 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
+
+    Example:
+        >>> y = fused_experts(x, ids, weights, gate_up, down, ExpertLayout())  # doctest: +SKIP
     """
     tokens, top_k = ids.shape
-    hidden = x.shape[-1]
-    num_experts = gate_up.shape[0]
-    inter = down.shape[1] if layout.transposed else down.shape[2]
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = weights.reshape(-1).contiguous()
-    num_pairs = tokens * top_k
-    config = config or pick_config(num_pairs, num_experts)
-    bm = config.block_m
-    sorted_pairs, block_expert = moe_align(ids, num_experts, bm)
-    blocks = block_expert.numel()
-    ieee = x.dtype == torch.float32
-    upcast = interpreted()
-    h = torch.empty(blocks * bm, inter, dtype=x.dtype, device=x.device)
-    se, sn, sk = _strides(gate_up, layout.transposed)
-    up_offset, n_step = (1, 2) if layout.interleaved else (inter, 1)
-    bn, bk, warps, stages = config.gate_up
-    stages = _stages(stages, x)
-    _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
-        x, gate_up, gate_up if gate_up_bias is None else gate_up_bias, h, sorted_pairs,
-        block_expert, blocks, num_pairs, inter, hidden, top_k, x.stride(0), se, sn, sk, up_offset,
-        n_step, 0 if gate_up_bias is None else gate_up_bias.stride(0), h.stride(0),
-        float(layout.alpha), float(layout.limit), SWIGLU=layout.activation == "swiglu_oai",
-        HAS_BIAS=gate_up_bias is not None, IEEE=ieee, UPCAST=upcast, BM=bm, BN=bn, BK=bk,
-        GROUP_M=config.group_m, num_warps=warps, num_stages=stages)
-    pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    se, sn, sk = _strides(down, layout.transposed)
-    bn, bk, warps, stages = config.down
-    stages = _stages(stages, x)
-    _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
-        h, down, down if down_bias is None else down_bias, weights, pairs, sorted_pairs,
-        block_expert, blocks, num_pairs, hidden, inter, h.stride(0), se, sn, sk,
-        0 if down_bias is None else down_bias.stride(0), pairs.stride(0),
-        HAS_BIAS=down_bias is not None, IEEE=ieee, UPCAST=upcast, BM=bm, BN=bn, BK=bk,
-        GROUP_M=config.group_m, num_warps=warps, num_stages=stages)
+    config = config or pick_config(tokens * top_k, gate_up.shape[0])
+    sorted_pairs, block_expert = moe_align(ids, gate_up.shape[0], config.block_m)
+    h = expert_gate_up(x, sorted_pairs, block_expert, top_k, gate_up, layout, gate_up_bias,
+                       config)
+    pairs = expert_down(h, sorted_pairs, block_expert, weights, down, layout, down_bias, config)
     if top_k == 1:
         return pairs
-    return pairs.view(tokens, top_k, hidden).sum(1)
+    return pairs.view(tokens, top_k, -1).sum(1)

@@ -63,6 +63,28 @@ def test_qwen3_30b_a3b_experts_equal_the_oracle(tokens):
     assert _relative(got, want) < BF16_EPS
 
 
+@pytest.mark.parametrize("swap,tma", [(True, False), (True, True)], ids=["swap", "swap-tma"])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_swapped_tiles_equal_the_oracle(swap, tma, block_m):
+    from actors.engine.model.kernels.moe_gemm import (
+        ExpertLayout,
+        TileConfig,
+        fused_experts,
+        fused_experts_torch,
+    )
+
+    config = TileConfig(block_m, 8, (128, 64, 4, 4), (128, 128, 4, 3), swap, tma)
+    for tokens in (7, 512, 1024):
+        x, ids, w, gate_up, down, _ = _case(tokens, 8, 128, 2048, 768, seed=tokens)
+        got = fused_experts(x, ids, w, gate_up, down, ExpertLayout(), config=config)
+        want = fused_experts_torch(x, ids, w, gate_up, down, ExpertLayout())
+        assert _relative(got, want) < BF16_EPS
+    x, ids, w, gate_up, down, biases = _case(64, 4, 32, 576, 640, transposed=True, bias=True)
+    oai = ExpertLayout(transposed=True, interleaved=True, activation="swiglu_oai")
+    assert _relative(fused_experts(x, ids, w, gate_up, down, oai, *biases, config=config),
+                     fused_experts_torch(x, ids, w, gate_up, down, oai, *biases)) < BF16_EPS
+
+
 @pytest.mark.parametrize("tokens", [3, 256])
 def test_gpt_oss_and_mixtral_layouts_equal_the_oracle(tokens):
     from actors.engine.model.kernels.moe_gemm import (

@@ -15,6 +15,7 @@ from actors.engine.model.kernels.moe_align import moe_align, moe_align_torch  # 
 from actors.engine.model.kernels.moe_gemm import (  # noqa: E402
     _CONFIGS,
     ExpertLayout,
+    TileConfig,
     fused_experts,
     fused_experts_torch,
     pick_config,
@@ -144,12 +145,40 @@ def test_every_tile_configuration(config):
 
 @pytest.mark.parametrize("group_m", [1, 2, 3])
 def test_grouped_tile_order_covers_every_tile(group_m):
-    from actors.engine.model.kernels.moe_gemm import TileConfig
-
     config = TileConfig(16, group_m, (32, 32, 4, 2), (32, 32, 4, 2))
     case = _experts_case(40, 3, 7, 80, 72, ExpertLayout(), torch.float32, False)  # 23 blocks
     torch.testing.assert_close(fused_experts(*case, config=config), fused_experts_torch(*case),
                                rtol=1e-5, atol=1e-5)
+
+
+SWAPPED = [TileConfig(16, 2, (32, 32, 4, 2), (32, 32, 4, 2), swap=True),
+           TileConfig(32, 1, (64, 32, 4, 2), (32, 64, 4, 2), swap=True, tma=True)]
+
+
+@pytest.mark.parametrize("layout,bias", LAYOUTS, ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", SWAPPED, ids=["swap", "swap-tma"])
+def test_swapped_tiles_equal_torch(layout, bias, dtype, config):
+    # partial K and N tiles (48 = 32 + 16 columns, 40 = 32 + 8 rows); with tma the
+    # descriptor's reads past a tile's rows land in the next rows (or zeros) and are not stored
+    case = _experts_case(17, 3, 6, 48, 40, layout, dtype, bias)
+    got, want = fused_experts(*case, config=config), fused_experts_torch(*case)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < 2 * torch.finfo(dtype).eps
+
+
+def test_tma_only_where_the_layout_allows_it():
+    from actors.engine.model.kernels.moe_gemm import tma_layout
+
+    w = torch.zeros(4, 16, 32)
+    assert tma_layout(w, ExpertLayout())
+    assert not tma_layout(w, ExpertLayout(transposed=True))
+    assert not tma_layout(w, ExpertLayout(interleaved=True))
+    assert not tma_layout(w[:, :, :6], ExpertLayout())  # rows of 24 bytes
+    assert not tma_layout(w.transpose(1, 2), ExpertLayout())
 
 
 def _block_inputs(model, tokens=29, seed=3):
