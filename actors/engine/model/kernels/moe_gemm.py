@@ -4,18 +4,17 @@
 ``w_j``: ``sum_j w_j * down_e(act(gate_e(x_t), up_e(x_t)))``. Launches: the sort
 (:func:`moe_align`), the gate/up GEMM with the activation in its epilogue (intermediate rows
 in sorted order), the down GEMM with the routing weight in its epilogue (rows back in pair
-order), and the sum over each token's ``k`` rows. Each program of a GEMM owns ``block_m``
-sorted rows of one expert and one tile of that expert's weights, so at decode (a block or
-two per expert) every expert's weights are read about once. Shapes depend only on the token
-count: CUDA-graph capturable.
+order), and the sum over each token's ``k`` rows (:func:`sum_pairs`). Each program of a GEMM
+owns ``block_m`` sorted rows of one expert and one tile of that expert's weights, so at decode
+(a block or two per expert) every expert's weights are read about once. Shapes depend only on
+the token count: CUDA-graph capturable.
 
 Weight layouts are those of transformers' fused experts modules: ``ExpertLayout`` says
 whether ``gate_up`` is ``[E, 2I, H]`` (``down`` ``[E, H, I]``) or transposed
 (``[E, H, 2I]`` / ``[E, I, H]``, gpt-oss) and whether gate and up rows are the two halves
 or interleaved. Results are rounded to the activations' dtype where the torch ops round
 (after each projection, the bias, the activation's steps, the weighting), so they match
-:func:`fused_experts_torch` to float32 sum-order effects.
-"""
+:func:`fused_experts_torch` to float32 sum-order effects."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ import triton.language as tl
 
 from actors.engine.model.kernels import interpreted
 from actors.engine.model.kernels.moe_align import moe_align
+from actors.engine.model.kernels.moe_sum import sum_pairs
 from actors.engine.model.kernels.rounding import round_to
 
 
@@ -462,6 +462,4 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     h = expert_gate_up(x, sorted_pairs, block_expert, top_k, gate_up, layout, gate_up_bias,
                        config)
     pairs = expert_down(h, sorted_pairs, block_expert, weights, down, layout, down_bias, config)
-    if top_k == 1:
-        return pairs
-    return pairs.view(tokens, top_k, -1).sum(1)
+    return pairs if top_k == 1 else sum_pairs(pairs, top_k)

@@ -271,3 +271,20 @@ def test_a_check_that_raises_keeps_the_module(monkeypatch):
     model = moe_model("olmoe")
     fused = install_fused_moe(model, "torch")
     assert not fused.experts and "no kernel for this shape" in fused.kept["OlmoeExperts"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (5, 3, 40), (9, 8, 1100)])
+def test_sum_pairs_equals_torch(dtype, tokens, top_k, hidden):
+    from actors.engine.model.kernels.moe_sum import sum_pairs, sum_pairs_torch
+
+    gen = torch.Generator().manual_seed(tokens)
+    pairs = torch.randn(tokens * top_k, hidden, generator=gen).to(DEVICE, dtype)
+    got = sum_pairs(pairs, top_k, block=512)  # 1100 columns: two full blocks and a partial one
+    want = sum_pairs_torch(pairs, top_k)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # one rounding of the float32 sum: equal but where the sum order flips a last bit
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
