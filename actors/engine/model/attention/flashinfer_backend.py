@@ -27,12 +27,13 @@ Triton kernel, which for an FP8 pool clamps and casts them), then the kernel rea
 (KV layout NHD: ``[pages, 2, block_size, kv_heads, head_dim]``, as ``KVCache`` keeps it). An
 FP8 pool is planned with ``kv_data_type=float8_e4m3fn``, queries stay in the model's dtype,
 and ``run`` gets no ``k_scale`` / ``v_scale`` (the scale is 1.0). Over an FP8 pool, and over
-any pool for heads up to ``TRITON_DECODE_MAX_HEAD_DIM`` (heads of 16 or more either way), the
-decode steps of full-attention layers without soft-capping or sinks run
+any pool for heads up to ``TRITON_DECODE_MAX_HEAD_DIM`` (heads of 16 or more either way), or
+up to 128 when ``TRITON_DECODE_MIN_GROUP`` query heads share a KV head (:func:`triton_decodes`),
+the decode steps of full-attention layers without soft-capping or sinks run
 :mod:`actors.engine.model.kernels.decode_attention` instead (eager and in graphs, over the same
 page-table buffers; no decode wrapper is built for them): FlashInfer's FA2 decode over e4m3
 pages runs at ~3x its read floor, slower than over bf16 pages, and the kernel is the faster
-over narrow heads. Its chunks are fixed by position, so it is batch-invariant like the
+over narrow heads and wide groups. Its chunks are fixed by position, so it is batch-invariant like the
 rest. After each wrapper's first (official)
 ``plan``, later plans call its compiled module's ``plan`` directly
 (``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors with the
@@ -63,6 +64,19 @@ WORKSPACE_BYTES = 128 << 20
 #: heads up to this width (heads of 16 or more either way: ``tl.dot``'s least), where it was
 #: the faster on an H200 (docs/benchmarks.md, run CA)
 TRITON_DECODE_MAX_HEAD_DIM = 64
+#: ... and of heads up to 128 wide when this many query heads share a KV head (one matrix
+#: product a KV head and key block): Qwen3-30B-A3B's 32 / 4 heads of 128, 4.7 against 7.2 ms
+#: of attention a 1,024-row decode step (run CK); at 4 (Llama-3-8B) FlashInfer's was the faster
+TRITON_DECODE_MIN_GROUP = 8
+
+
+def triton_decodes(kv_dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether plain full-attention decode steps over ``kv_dtype`` pages of ``head_dim``-wide
+    heads, ``group`` query heads a KV head, run the Triton kernel."""
+    if head_dim < 16:
+        return False
+    return (kv_dtype == torch.float8_e4m3fn or head_dim <= TRITON_DECODE_MAX_HEAD_DIM
+            or (head_dim <= 128 and group >= TRITON_DECODE_MIN_GROUP))
 #: (window_left, scale, soft cap (0: none), has sinks) of a layer; window_left -1 is full
 #: causal attention.
 LayerKey = tuple[int, float, float, bool]
@@ -132,12 +146,11 @@ class FlashInferBackend(AttentionBackend):
         self.keys = sorted(set(self.layer_keys.values()))
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill = {key: self._prefill_wrapper(key) for key in self.keys}
-        # decode steps of plain layers over e4m3 pages, or of narrow heads: the Triton kernel
-        # (FlashInfer 0.6.4's FA2 decode dequantizes e4m3 pages at ~3x the read floor, slower
-        # than over bf16 pages; TRITON_DECODE_MAX_HEAD_DIM)
-        plain = (16 <= self.key_dim == self.value_dim == kv_cache.layer(0).shape[-1]
-                 and (self.kv_dtype == torch.float8_e4m3fn
-                      or self.key_dim <= TRITON_DECODE_MAX_HEAD_DIM))
+        # decode steps of plain layers over e4m3 pages, of narrow heads or of wide groups: the
+        # Triton kernel (FlashInfer 0.6.4's FA2 decode dequantizes e4m3 pages at ~3x the read
+        # floor, slower than over bf16 pages; triton_decodes)
+        plain = (self.key_dim == self.value_dim == kv_cache.layer(0).shape[-1]
+                 and triton_decodes(self.kv_dtype, self.key_dim, num_heads // num_kv_heads))
         self.triton_decode = {key for key in self.keys
                               if plain and key[0] == -1 and not key[2] and not key[3]}
         self.decode_chunk = decode_chunk(max_model_len)

@@ -77,3 +77,26 @@ def test_decode_chunk_bounds_the_splits():
     for max_len in (1000, 4096, 32768, 131072):
         chunk = decode_chunk(max_len)
         assert chunk & (chunk - 1) == 0 and -(-max_len // chunk) <= 16
+
+
+def test_wide_heads_of_a_wide_group_equal_the_reference():
+    # Qwen3-30B-A3B's attention shape (8 query heads a KV head, heads of 128), the kernel's
+    # default tiles, contexts of one chunk and of several
+    lengths = [1, 130, 257, 700]
+    q, pool, indptr, indices, last = _batch(lengths, 16, 2, 128, torch.bfloat16, seed=5)
+    scale = 128 ** -0.5
+    ref = decode_attention_reference(q, pool, indptr, indices, last, scale).float()
+    out = decode_attention(q, pool, indptr, indices, last, scale, chunk=512, max_splits=2)
+    tol = 1e-2 * max(1.0, ref.abs().max().item())
+    assert (out.float() - ref).abs().max().item() < tol
+
+
+def test_which_decode_steps_run_the_kernel():
+    from actors.engine.model.attention.flashinfer_backend import triton_decodes
+
+    assert triton_decodes(torch.bfloat16, 64, 7)  # Qwen2-0.5B
+    assert not triton_decodes(torch.bfloat16, 128, 4)  # Llama-3-8B: FlashInfer's
+    assert triton_decodes(torch.bfloat16, 128, 8)  # Qwen3-30B-A3B
+    assert not triton_decodes(torch.bfloat16, 256, 8)
+    assert triton_decodes(torch.float8_e4m3fn, 128, 4)
+    assert not triton_decodes(torch.bfloat16, 8, 8)
