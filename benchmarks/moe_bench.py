@@ -337,7 +337,7 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
     for each family of :data:`_FAMILIES` and each GEMM tile, the table's tiles end to end,
     and transformers' grouped_mm experts; ms and the expert bytes read per ms (TB/s).
     ``best`` is the fastest family with its fastest tiles (the sum of its launches)."""
-    from actors.engine.model.kernels import moe_gemm
+    from actors.engine.model.kernels import moe_gemm, moe_tiles
     from actors.engine.model.kernels.moe_align import moe_align
     from actors.engine.model.kernels.moe_sum import sum_pairs
 
@@ -356,7 +356,7 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
         touched = float((torch.bincount(ids.flatten(), minlength=experts) > 0).sum())
         gu_bytes, down_bytes = touched * 2 * h * width * 2, touched * h * width * 2
         row = {"experts_touched": touched, "floor_ms": (gu_bytes + down_bytes) / COPY_TBPS / 1e9}
-        table = moe_gemm.pick_config(rows * top_k, experts)
+        table = moe_tiles.pick_config(rows * top_k, experts)
         row["table"] = {"config": repr(table), **_timed(
             lambda: moe_gemm.fused_experts(x, ids, weights, gate_up, down, layout),
             gu_bytes + down_bytes)}
@@ -367,15 +367,15 @@ def kernel_sweep(spec: dict, batches: list[int]) -> dict:
             fam = {}
             sorted_pairs, block_expert = moe_align(ids, experts, bm)
             fam["align"] = _timed(lambda: moe_align(ids, experts, bm), 0)
-            base = moe_gemm.TileConfig(bm, group, (64, 64, 4, 2), (64, 64, 4, 2), swap, tma)
+            base = moe_tiles.TileConfig(bm, group, (64, 64, 4, 2), (64, 64, 4, 2), swap, tma)
             hid = moe_gemm.expert_gate_up(x, sorted_pairs, block_expert, top_k, gate_up, layout,
                                           None, base)
             for tile in _GATE_UP_TILES[swap]:
-                cfg = moe_gemm.TileConfig(bm, group, tile, base.down, swap, tma)
+                cfg = moe_tiles.TileConfig(bm, group, tile, base.down, swap, tma)
                 fam[f"gate_up{tile}"] = _timed(lambda c=cfg: moe_gemm.expert_gate_up(
                     x, sorted_pairs, block_expert, top_k, gate_up, layout, None, c), gu_bytes)
             for tile in _DOWN_TILES[swap]:
-                cfg = moe_gemm.TileConfig(bm, group, base.gate_up, tile, swap, tma)
+                cfg = moe_tiles.TileConfig(bm, group, base.gate_up, tile, swap, tma)
                 fam[f"down{tile}"] = _timed(lambda c=cfg: moe_gemm.expert_down(
                     hid, sorted_pairs, block_expert, flat_w, down, layout, None, c), down_bytes)
             gu = min((v["ms"], k) for k, v in fam.items() if k.startswith("gate_up") and "ms" in v)

@@ -68,10 +68,10 @@ def test_qwen3_30b_a3b_experts_equal_the_oracle(tokens):
 def test_swapped_tiles_equal_the_oracle(swap, tma, block_m):
     from actors.engine.model.kernels.moe_gemm import (
         ExpertLayout,
-        TileConfig,
         fused_experts,
         fused_experts_torch,
     )
+    from actors.engine.model.kernels.moe_tiles import TileConfig
 
     config = TileConfig(block_m, 8, (128, 64, 4, 4), (128, 128, 4, 3), swap, tma)
     for tokens in (7, 512, 1024):

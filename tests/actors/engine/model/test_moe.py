@@ -13,14 +13,12 @@ pytest.importorskip("triton")
 
 from actors.engine.model.kernels.moe_align import moe_align, moe_align_torch  # noqa: E402
 from actors.engine.model.kernels.moe_gemm import (  # noqa: E402
-    _CONFIGS,
     ExpertLayout,
-    TileConfig,
     fused_experts,
     fused_experts_torch,
-    pick_config,
 )
 from actors.engine.model.kernels.moe_routing import RoutingSpec, route, route_torch  # noqa: E402
+from actors.engine.model.kernels.moe_tiles import TILE_TABLE, TileConfig, pick_config  # noqa: E402
 from actors.engine.model.moe import ROUTERS, install_fused_moe  # noqa: E402
 from tests.actors.engine.model.moe_models import ARCHS, moe_blocks, moe_model  # noqa: E402
 
@@ -131,7 +129,7 @@ def test_fused_experts_equal_torch(layout, bias, dtype, tokens, top_k, experts, 
         assert err < 2 * torch.finfo(dtype).eps
 
 
-@pytest.mark.parametrize("config", [c for _, c in _CONFIGS], ids=str)
+@pytest.mark.parametrize("config", [c for _, c in TILE_TABLE], ids=str)
 def test_every_tile_configuration(config):
     # sizes that are no multiple of any tile: partial K and N tiles in both GEMMs
     hidden = max(config.gate_up[1], config.down[0]) + 16
@@ -140,7 +138,7 @@ def test_every_tile_configuration(config):
     torch.testing.assert_close(fused_experts(*case, config=config), fused_experts_torch(*case),
                                rtol=1e-5, atol=1e-5)
     assert pick_config(4096, 128).block_m == 64  # Qwen3-30B-A3B, 512 decode rows
-    assert pick_config(8 * 16384, 128) == _CONFIGS[-1][1]  # a prefill step
+    assert pick_config(8 * 16384, 128) == TILE_TABLE[-1][1]  # a prefill step
 
 
 @pytest.mark.parametrize("group_m", [1, 2, 3])
