@@ -33,9 +33,9 @@ the decode steps of full-attention layers without soft-capping or sinks run
 :mod:`actors.engine.model.kernels.decode_attention` instead (eager and in graphs, over the same
 page-table buffers; no decode wrapper is built for them): FlashInfer's FA2 decode over e4m3
 pages runs at ~3x its read floor, slower than over bf16 pages, and the kernel is the faster
-over narrow heads and wide groups. Its chunks are fixed by position, so it is batch-invariant like the
-rest. After each wrapper's first (official)
-``plan``, later plans call its compiled module's ``plan`` directly
+over narrow heads and wide groups. Its chunks are fixed by position, so it is batch-invariant
+like the rest. After each wrapper's first (official) ``plan``, later plans call its compiled
+module's ``plan`` directly
 (``flashinfer_plan.replan``): the official Python ``plan`` iterates over host tensors with the
 builtin ``max`` (milliseconds at 1,000 sequences) and makes blocking copies.
 """

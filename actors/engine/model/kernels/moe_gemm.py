@@ -101,6 +101,19 @@ def _tile(num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block(block_expert_ptr, sorted_ptr, num_m, num_pairs, N, BM: tl.constexpr,
+           BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's expert (-1: an unused block), its ``BM`` sorted rows with their pairs
+    and which are real, and its ``BN`` output columns with which are in range."""
+    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    n = pid_n * BN + tl.arange(0, BN)
+    return e, rows, pair, pair < num_pairs, pid_n, n, n < N
+
+
+@triton.jit
 def _activation(gate, up, alpha, limit, dt: tl.constexpr, SWIGLU: tl.constexpr):
     """The experts' activation of rounded ``gate`` / ``up`` tiles, rounded as torch's ops."""
     if SWIGLU:
@@ -130,16 +143,11 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
+                                                  N, BM, BN, GROUP_M)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
     k = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + k[None, :]
     g_ptrs = w_ptr + e * stride_we + (n * n_step)[None, :] * stride_wn + k[:, None] * stride_wk
@@ -179,16 +187,11 @@ def _gate_up_swapped_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, sorted_ptr, bl
                             GROUP_M: tl.constexpr):
     """:func:`_gate_up_kernel` transposed: ``acc [BN, BM] = W x^T``, the weight tile the MMA's
     row operand (with ``TMA``, read through ``w_desc``, the weights as ``[E * w_rows, K]``)."""
-    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
+                                                  N, BM, BN, GROUP_M)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + tok[None, :] * stride_xm + k[:, None]
     g_ptrs = w_ptr + e * stride_we + (n * n_step)[:, None] * stride_wn + k[None, :] * stride_wk
@@ -229,15 +232,10 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_
                  stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
+                                                  N, BM, BN, GROUP_M)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
     k = tl.arange(0, BK)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + k[None, :]
     w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
@@ -268,15 +266,10 @@ def _down_swapped_kernel(h_ptr, w_ptr, w_desc, b_ptr, rw_ptr, out_ptr, sorted_pt
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          GROUP_M: tl.constexpr):
     """:func:`_down_kernel` transposed, as :func:`_gate_up_swapped_kernel`."""
-    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
+                                                  N, BM, BN, GROUP_M)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    n = pid_n * BN + tl.arange(0, BN)
-    n_ok = n < N
     k = tl.arange(0, BK)
     h_ptrs = h_ptr + rows[None, :].to(tl.int64) * stride_hm + k[:, None]
     w_ptrs = w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :] * stride_wk
