@@ -299,7 +299,7 @@ _DOWN_TILES = {False: [(128, 128, 4, 3), (128, 64, 4, 4)],
 #: (block_m, group_m, swap, tma) of the sweep's families
 _FAMILIES = [(64, 8, False, False), (32, 8, True, False), (32, 1, True, False),
              (64, 8, True, False), (64, 1, True, False), (32, 8, True, True),
-             (64, 8, True, True)]
+             (64, 8, True, True), (128, 8, False, False), (128, 8, True, True)]
 
 
 def _hf_experts(spec: dict, gate_up: torch.Tensor, down: torch.Tensor):
