@@ -30,7 +30,7 @@ from actors.engine.model.kernels.moe_routing import RoutingSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUTERS", "FusedMoE", "install_fused_moe"]
+__all__ = ["ROUTERS", "FusedMoE", "experts_layout", "install_fused_moe"]
 
 Backend = Literal["triton", "torch"]
 
@@ -109,7 +109,7 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     return logits, weights, ids
 
 
-def _experts_layout(m: torch.nn.Module) -> tuple[Any, bool] | str:
+def experts_layout(m: torch.nn.Module) -> tuple[Any, bool] | str:
     """``(ExpertLayout, has_bias)`` of a fused experts module, or why it is not covered."""
     from actors.engine.model.kernels.moe_gemm import ExpertLayout
 
@@ -269,7 +269,7 @@ def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
             else:
                 fused.kept[cls.__name__] = f"router check failed: {verdict[cls]}"
         elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
-            layout = _experts_layout(module)
+            layout = experts_layout(module)
             if isinstance(layout, str):
                 fused.kept[cls.__name__] = layout
                 continue

@@ -10,9 +10,13 @@
 - MoE experts stored as 3D parameters (``[experts, out, in]``): "packed_colwise" gate_up
   keeps this rank's slice of the gate half and of the up half, "rowwise" down its slice of
   the input features, and the experts module ("moe_tp_experts") all-reduces its output; the
-  router is replicated (expert parallelism is not done);
+  router is replicated (expert parallelism is not done). Where the plan leaves such a module
+  out (transformers after 5.17 names experts only in ``base_model_ep_plan``), these three
+  entries are added for it when its weights are ``[E, 2I, H]`` / ``[E, H, I]`` with gate and
+  up as halves and no biases; other experts modules are refused;
 - the input embedding and the LM head are split over the vocabulary
-  (``actors.engine.parallel.vocab``: an all-reduced lookup, all-gathered logits);
+  (``actors.engine.parallel.vocab``: an all-reduced lookup, all-gathered logits), whatever
+  style the plan gives them (``embedding_rowwise`` in some transformers releases);
 - styles that only matter for training (``replicated_with_grad_allreduce``) keep the module
   whole; any other style (fused MoE experts, sequence parallel, ...) is refused.
 
@@ -80,16 +84,19 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
         raise UnsupportedModelError(
             f"{loaded.architecture}: its config has no base_model_tp_plan; it cannot run "
             "with tensor_parallel_size > 1")
-    patterns = compile_plan(plan)
     prefix = model.base_model_prefix + "."
+    patterns = compile_plan(plan)
+    patterns = compile_plan({**plan, **_experts_plan(model, patterns, prefix,
+                                                     loaded.architecture)})
     replicate_kv = kv_heads < tp
     local_kv = 1 if replicate_kv else kv_heads // tp
     slices: dict[str, ShardSlice] = {}
+    embed = model.get_input_embeddings()
     for name, module in model.named_modules():
         rel = name[len(prefix):] if name.startswith(prefix) else name
         style = next((s for p, s in patterns if p.fullmatch(rel)), None)
-        if style is None or style in _REPLICATED:
-            continue
+        if style is None or style in _REPLICATED or module is embed:
+            continue  # the input embedding: split over the vocabulary below, whatever its style
         if style == "moe_tp_experts":
             module.register_forward_hook(lambda _m, _i, out: comm.all_reduce(out))
             if hasattr(module, "intermediate_dim"):
@@ -136,6 +143,32 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = local_heads // local_kv
     return dataclasses.replace(loaded, num_heads=local_heads, num_kv_heads=local_kv), slices
+
+
+def _experts_plan(model, patterns, prefix: str, architecture: str) -> dict[str, str]:
+    """Plan entries for the fused experts modules (3-D ``gate_up_proj`` / ``down_proj``) that
+    ``patterns`` leave out: the module all-reduces, gate/up is packed colwise, down rowwise."""
+    from actors.engine.model.moe import experts_layout
+
+    extra: dict[str, str] = {}
+    for name, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+                and gate_up.dim() == down.dim() == 3):
+            continue
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        names = (rel, f"{rel}.gate_up_proj", f"{rel}.down_proj")
+        if any(p.fullmatch(n) for p, _ in patterns for n in names):
+            continue
+        layout = experts_layout(module)
+        if isinstance(layout, str) or layout[1] or layout[0].transposed or layout[0].interleaved:
+            why = layout if isinstance(layout, str) else "transposed, interleaved or biased"
+            raise UnsupportedModelError(
+                f"{architecture}: experts module {name!r} is not in the model's tensor-parallel "
+                f"plan and cannot be sharded by the engine ({why})")
+        extra.update({rel: "moe_tp_experts", f"{rel}.gate_up_proj": "packed_colwise",
+                      f"{rel}.down_proj": "rowwise"})
+    return extra
 
 
 def _packed_halves(rank: int, tp: int, width: int) -> Callable[[torch.Tensor], torch.Tensor]:

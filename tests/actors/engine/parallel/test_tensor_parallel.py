@@ -244,6 +244,31 @@ def test_moe_experts_sharded(tiny_moe):
     two.close()
 
 
+class _Experts(torch.nn.Module):
+    def __init__(self, gate_up_shape, down_shape):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(gate_up_shape))
+        self.down_proj = torch.nn.Parameter(torch.zeros(down_shape))
+        self.act_fn = torch.nn.SiLU()
+
+
+def test_experts_left_out_of_the_plan_are_added_or_refused():
+    from actors.engine.model.loader import UnsupportedModelError
+    from actors.engine.parallel.sharding import _experts_plan, compile_plan
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].experts = _Experts((4, 32, 16), (4, 16, 16))  # [E, 2I, H], [E, H, I]
+    covered = compile_plan({"layers.*.experts": "moe_tp_experts"})
+    assert _experts_plan(model, covered, "model.", "toy") == {}
+    assert _experts_plan(model, [], "model.", "toy") == {
+        "layers.0.experts": "moe_tp_experts", "layers.0.experts.gate_up_proj": "packed_colwise",
+        "layers.0.experts.down_proj": "rowwise"}
+    model.layers[0].experts = _Experts((4, 16, 32), (4, 16, 16))  # [E, H, 2I]: transposed
+    with pytest.raises(UnsupportedModelError, match="layers.0.experts.*cannot be sharded"):
+        _experts_plan(model, [], "model.", "toy")
+
+
 def test_worker_rank_exits_when_rank_0_is_killed(tiny_llama):
     import signal
     import subprocess
