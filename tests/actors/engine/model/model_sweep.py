@@ -307,7 +307,8 @@ def write_table(path: Path, rows: list, version: str) -> None:
         "materialises the scores in transformers' eager order; FlashInfer uses "
         "`logits_soft_cap` and, for sinks, `BatchAttentionWithAttentionSinkWrapper` (its "
         "0.6.4 default FA2 module ignores `run(sinks=)`).",
-        "- Attention that bypasses the registry but calls torch's SDPA (falcon) is routed to "
+        "- Attention that bypasses the registry but calls torch's SDPA (falcon in transformers "
+        "5.17; in 5.25 falcon uses the registry and no causal LM calls SDPA itself) is routed to "
         "the paged backends by `actors/engine/model/attention/sdpa_adapter.py`; stablelm uses the registry "
         "without declaring it.",
         "- On an H200 (bf16, FlashInfer, CUDA-graph decode), `tests/actors/engine/model/test_gpu_model_families.py` runs gemma2- (soft-capping, window 8), gpt_oss- (sinks, experts, window 8) and deepseek_v3-shaped (MLA, experts) models against HF in bf16: logits within twice HF's own bf16 error of its fp32 forward (routed-expert models compared by the mean and 90th percentile of the per-position errors: one router near-tie flip dominates the largest error, of HF's bf16 forward too), greedy outputs equal to HF's up to bf16 near-ties; with `test_gpu_attention_variants.py`, 15 passed (run BC, docs/history/benchmarks_history.md).",
