@@ -65,8 +65,8 @@ WORKSPACE_BYTES = 128 << 20
 #: the faster on an H200 (docs/benchmarks.md, run CA)
 TRITON_DECODE_MAX_HEAD_DIM = 64
 #: ... and of heads up to 128 wide when this many query heads share a KV head (one matrix
-#: product a KV head and key block): Qwen3-30B-A3B's 32 / 4 heads of 128, 4.7 against 7.2 ms
-#: of attention a 1,024-row decode step (run CK); at 4 (Llama-3-8B) FlashInfer's was the faster
+#: product a KV head and key block): the faster on an H200 at Qwen3-30B-A3B's 32 / 4 heads
+#: (run CK); at 4 (Llama-3-8B, run CA) FlashInfer's was
 TRITON_DECODE_MIN_GROUP = 8
 
 

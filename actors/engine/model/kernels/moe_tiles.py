@@ -28,10 +28,10 @@ class TileConfig:
 #: (max pairs per expert, tiles), first match. Decode batches get one or two row blocks per
 #: expert, so each expert's weights are read about once; the gate/up GEMM holds two
 #: accumulators (gate and up) of ``block_m x block_n``. From ~32 pairs an expert the GEMMs run
-#: transposed with the weights read through descriptors (Qwen3-30B-A3B's experts, one layer
-#: in CUDA graphs on an H200: 0.344 -> 0.315 ms at 512 rows against a read floor of 0.290;
-#: 0.450 -> 0.377 at 1,024: docs/benchmarks.md, MoE). Prefill takes 128-row blocks, grouped
-#: by 8 (about one expert's rows at a 16k-token step) so rows and weights come from L2.
+#: transposed with the weights read through descriptors: the fastest of a sweep on an H200
+#: (Qwen3-30B-A3B's experts, one layer at 512 and 1,024 rows: docs/benchmarks.md, MoE, run
+#: CI). Prefill takes 128-row blocks, grouped by 8 (about one expert's rows at a 16k-token
+#: step) so rows and weights come from L2.
 TILE_TABLE: tuple[tuple[int | None, TileConfig], ...] = (
     (12, TileConfig(16, 8, (64, 128, 4, 4), (128, 128, 4, 4))),
     (48, TileConfig(64, 8, (64, 64, 4, 3), (128, 64, 4, 4), swap=True, tma=True)),
