@@ -86,6 +86,7 @@ class _RouterPlan:
     has_bias: bool
     out_dtype: str
     backend: Backend
+    ids_first: bool = False  # returns (ids, weights, logits) (transformers 5.17's GraniteMoe)
 
 
 def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
@@ -106,7 +107,7 @@ def _router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     else:
         weights, ids = moe_routing.route_torch(logits, plan.spec, bias)
         weights = weights.to(dtype)
-    return logits, weights, ids
+    return (ids, weights, logits) if plan.ids_first else (logits, weights, ids)
 
 
 def experts_layout(m: torch.nn.Module) -> tuple[Any, bool] | str:
@@ -208,9 +209,15 @@ class _Checker:
         err = _relative_error(got, want)
         return None if err <= _tolerance(self.dtype) else f"relative error {err:.2e}"
 
+    def ids_first(self, module: torch.nn.Module, original: Callable) -> bool:
+        """Whether the router returns its expert ids first (else its logits)."""
+        return not original(self.rand(2, module.weight.shape[-1]))[0].is_floating_point()
+
     def router(self, module: torch.nn.Module, original: Callable, tokens: int = 64) -> str | None:
         x = self.rand(tokens, module.weight.shape[-1])
         want, got = original(x), _router_forward(module, x)
+        if module._fused_moe_plan.ids_first:
+            want, got = want[::-1], got[::-1]
         _, want_w, want_ids = want
         _, got_w, got_ids = got
         if got_w.dtype != want_w.dtype or got_ids.dtype != want_ids.dtype \
@@ -254,13 +261,13 @@ def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
         cls = type(module)
         if cls.__name__ in ROUTERS:
             rule, logits, has_bias, out_dtype = ROUTERS[cls.__name__]
-            try:
-                module._fused_moe_plan = _RouterPlan(rule(module), logits, has_bias,
-                                                     out_dtype, backend)
-            except (AttributeError, TypeError, ValueError) as exc:
-                fused.kept[cls.__name__] = f"router attributes not understood ({exc})"
-                continue
             original = module.forward
+            try:
+                module._fused_moe_plan = _RouterPlan(rule(module), logits, has_bias, out_dtype,
+                                                     backend, check.ids_first(module, original))
+            except Exception as exc:  # noqa: BLE001 - a router we cannot read stays out
+                fused.kept[cls.__name__] = f"router attributes not understood ({exc!r})"
+                continue
             if cls not in verdict:
                 verdict[cls] = _run_check(check.router, module, original)
             if verdict[cls] is None:

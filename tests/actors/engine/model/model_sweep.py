@@ -180,8 +180,10 @@ def compare(engine_outs, hf_model, prompt_list) -> tuple[bool, str]:
     for out in engine_outs:
         prompt = prompt_list[out.id]
         tokens = out.output_token_ids
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + tokens])).logits[0].float()
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():  # the mask generate() passes (transformers 5.17's moshi attends
+            # to every position of a forward given none)
+            logits = hf_model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
         logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)  # rows predicting outputs
         if len(tokens) != MAX_TOKENS:
             return False, f"request {out.id}: {len(tokens)} tokens, expected {MAX_TOKENS}"
