@@ -257,14 +257,17 @@ def install_fused_moe(model: torch.nn.Module, backend: Backend = "triton",
     check = _Checker(param.device, param.dtype, seed)
     fused = FusedMoE(backend)
     verdict: dict[type, str | None] = {}
+    ids_first: dict[type, bool] = {}
     for name, module in model.named_modules():
         cls = type(module)
         if cls.__name__ in ROUTERS:
             rule, logits, has_bias, out_dtype = ROUTERS[cls.__name__]
             original = module.forward
             try:
+                if cls not in ids_first:
+                    ids_first[cls] = check.ids_first(module, original)
                 module._fused_moe_plan = _RouterPlan(rule(module), logits, has_bias, out_dtype,
-                                                     backend, check.ids_first(module, original))
+                                                     backend, ids_first[cls])
             except Exception as exc:  # noqa: BLE001 - a router we cannot read stays out
                 fused.kept[cls.__name__] = f"router attributes not understood ({exc!r})"
                 continue

@@ -152,10 +152,9 @@ def _experts_plan(model, patterns, prefix: str, architecture: str) -> dict[str, 
 
     extra: dict[str, str] = {}
     for name, module in model.named_modules():
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-                and gate_up.dim() == down.dim() == 3):
-            continue
+        gate_up = getattr(module, "gate_up_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3):
+            continue  # no fused experts (a 2-D gate_up_proj is a dense MLP's)
         rel = name[len(prefix):] if name.startswith(prefix) else name
         names = (rel, f"{rel}.gate_up_proj", f"{rel}.down_proj")
         if any(p.fullmatch(n) for p, _ in patterns for n in names):

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from actors.engine.model.kernels import interpreted
 from actors.engine.model.kernels.moe_align import moe_align
-from actors.engine.model.kernels.moe_sum import sum_pairs
+from actors.engine.model.kernels.moe_sum import sum_pairs, sum_pairs_torch
 from actors.engine.model.kernels.moe_tiles import TileConfig, pick_config
 from actors.engine.model.kernels.rounding import round_to
 
@@ -85,7 +85,7 @@ def fused_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         if down_bias is not None:
             h = h + down_bias[e]
         pairs[pair] = (h * weights.reshape(-1)[pair, None]).to(x.dtype)
-    return pairs.view(tokens, top_k, -1).float().sum(1).to(x.dtype)
+    return sum_pairs_torch(pairs, top_k)
 
 
 @triton.jit

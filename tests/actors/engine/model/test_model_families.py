@@ -18,15 +18,14 @@ from sampler import SamplingParams
 from tests.actors.engine.model.model_sweep import LOGPROB_ATOL, build
 
 
-def _falcon_route() -> str:
-    """How the installed transformers' falcon calls attention, read from its modeling code:
-    "registry" once it reads the attention functions' registry, else "sdpa"."""
-    import inspect
+def _falcon_route() -> str | None:
+    """How the installed transformers' falcon calls attention ("sdpa" in 5.17, "registry"
+    from 5.25 on)."""
+    from transformers import FalconForCausalLM
 
-    from transformers.models.falcon import modeling_falcon
+    from actors.engine.model.model_support import attention_route
 
-    return "registry" if "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon) \
-        else "sdpa"
+    return attention_route(FalconForCausalLM)
 
 FAMILIES = {
     "granite": dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5,
