@@ -40,22 +40,30 @@ def rms_norm_fp8_torch(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, H, stride_x, stride_out, stride_q,
-                     eps, BLOCK: tl.constexpr, QUANT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / H + eps)
-    y = round_to(x * inv, x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, R, H, stride_x, stride_out, stride_q,
+                     eps, ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    mask = (rows < R) & (cols < H)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, 1) / H + eps)  # [ROWS]
+    y = round_to(x * inv[:, None], x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     value = round_to(w * y, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, value.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, value.to(out_ptr.dtype.element_ty), mask=mask)
     if QUANT:
-        scale = row_scale(tl.max(tl.abs(value), 0))
-        tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * stride_q + cols, to_e4m3(value, scale, q_ptr.dtype.element_ty),
-                 mask=mask)
+        scale = row_scale(tl.max(tl.abs(value), 1))  # [ROWS]
+        tl.store(s_ptr + rows, scale[:, None], mask=rows < R)
+        tl.store(q_ptr + rows * stride_q + cols,
+                 to_e4m3(value, scale[:, None], q_ptr.dtype.element_ty), mask=mask)
+
+
+def rows_per_program(hidden: int) -> int:
+    """Rows a program normalises: one for rows of 1,024 or more elements; narrower rows (the
+    per-head q/k norms of Qwen3, 128 wide) share a program's ~2,048-element tile, so that a
+    program is not one element a thread."""
+    block = triton.next_power_of_2(hidden)
+    return 1 if block >= 1024 else 2048 // block
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool):
@@ -70,16 +78,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool):
         q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
         scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](  # without QUANT, q / scale are never touched
-            rows, weight, out, out if q is None else q, out if scale is None else scale,
-            hidden, rows.stride(0), out.stride(0), hidden, float(eps),
-            BLOCK=triton.next_power_of_2(hidden), QUANT=quant,
-            num_warps=4 if hidden <= 2048 else 8)
+        per = rows_per_program(hidden)
+        _rms_norm_kernel[(triton.cdiv(rows.shape[0], per),)](  # without QUANT, q / scale
+            rows, weight, out, out if q is None else q,        # are never touched
+            out if scale is None else scale, rows.shape[0], hidden, rows.stride(0),
+            out.stride(0), hidden, float(eps), ROWS=per, BLOCK=triton.next_power_of_2(hidden),
+            QUANT=quant, num_warps=4 if hidden <= 2048 else 8)
     return out.view(shape), q, scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm_torch`` in one kernel (one program per row of the last dimension)."""
+    """``rms_norm_torch`` in one kernel (a program per row of the last dimension, or per
+    :func:`rows_per_program` rows of a narrow one)."""
     return _launch(x, weight, eps, False)[0]
 
 

@@ -92,7 +92,7 @@ def test_quantize_rows_takes_a_row_strided_view_and_refuses_others():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (3, 896)])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (3, 896), (21, 128)])
 def test_rms_norm_fp8_equals_torch(dtype, rows, hidden):
     gen = torch.Generator().manual_seed(rows + hidden)
     x = (torch.randn(2, rows, hidden, generator=gen) * 3).to(DEVICE, dtype)

@@ -12,7 +12,11 @@ pytest.importorskip("triton")
 
 from actors.engine.engine_config import EngineConfig  # noqa: E402
 from actors.engine.model.fused_layers import install_fused_layers  # noqa: E402
-from actors.engine.model.kernels.rms_norm import rms_norm, rms_norm_torch  # noqa: E402
+from actors.engine.model.kernels.rms_norm import (  # noqa: E402
+    rms_norm,
+    rms_norm_torch,
+    rows_per_program,
+)
 from actors.engine.model.kernels.rotary import apply_rotary, apply_rotary_torch  # noqa: E402
 from actors.engine.model.kernels.silu_mul import silu_mul, silu_mul_torch  # noqa: E402
 
@@ -38,6 +42,25 @@ def test_rms_norm_equals_torch(dtype, rows, hidden):
     assert _ulps(ours, ref) <= 2.0
     if dtype != torch.float32:
         assert (ours != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(37, 128), (70, 64), (9, 200)])
+def test_rms_norm_of_many_narrow_rows(dtype, rows, hidden):
+    """Narrow rows (per-head q/k norms) share a program: several programs, the last one
+    partly filled, each row normalised alone."""
+    per = rows_per_program(hidden)
+    assert per > 1 and rows > per and rows % per
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(DEVICE, dtype)
+    x[3] *= 1e3  # a row far larger than its neighbours: their scales stay their own
+    w = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE, dtype)
+    ours, ref = rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6)
+    assert ours.shape == ref.shape
+    for r in range(rows):
+        assert _ulps(ours[r], ref[r]) <= 2.0, r
+    heads = x.reshape(rows, 1, hidden).expand(rows, 3, hidden)  # a strided 3-D view
+    assert torch.equal(rms_norm(heads, w, 1e-6), ours[:, None].expand(rows, 3, hidden))
 
 
 def test_rms_norm_of_a_strided_and_a_3d_input_and_a_float32_weight():
