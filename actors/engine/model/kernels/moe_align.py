@@ -46,30 +46,42 @@ def moe_align_torch(expert_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks, E,
-                  BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks,
+                  BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                  ONE_TILE: tl.constexpr):
     e = tl.program_id(0)
     bins = tl.arange(0, BLOCK_E)
     offs = tl.arange(0, BLOCK_S)
-    # every program counts all experts' pairs (masked lanes land in bin E, never used)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_S):
-        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=E)
-        counts += tl.histogram(ids.to(tl.int32), BLOCK_E)
-    counts = tl.where(bins < E, counts, 0)
+    # every program counts all experts' pairs; with ONE_TILE they are read once, into
+    # registers, and ranked from there
+    if ONE_TILE:
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    else:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, num_pairs, BLOCK_S):
+            pos = start + offs
+            ids = tl.load(ids_ptr + pos, mask=pos < num_pairs, other=0).to(tl.int32)
+            counts += tl.histogram(ids, BLOCK_E, mask=pos < num_pairs)
     padded = (counts + BM - 1) // BM * BM
     begin = tl.sum(tl.where(bins < e, padded, 0), 0)
     mine = tl.sum(tl.where(bins == e, counts, 0), 0)
     mine_padded = tl.sum(tl.where(bins == e, padded, 0), 0)
     # this expert's pairs, in order
-    seen = 0
-    for start in range(0, num_pairs, BLOCK_S):
-        pos = start + offs
-        ids = tl.load(ids_ptr + pos, mask=pos < num_pairs, other=E)
-        hit = (ids == e) & (pos < num_pairs)
-        rank = tl.cumsum(hit.to(tl.int32), 0) - 1 + seen
-        tl.store(sorted_ptr + begin + rank, pos.to(tl.int32), mask=hit)
-        seen += tl.sum(hit.to(tl.int32), 0)
+    if ONE_TILE:
+        hit = (ids == e) & valid
+        rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + begin + rank, offs.to(tl.int32), mask=hit)
+    else:
+        seen = 0
+        for start in range(0, num_pairs, BLOCK_S):
+            pos = start + offs
+            ids = tl.load(ids_ptr + pos, mask=pos < num_pairs, other=-1)
+            hit = ids == e
+            rank = tl.cumsum(hit.to(tl.int32), 0) - 1 + seen
+            tl.store(sorted_ptr + begin + rank, pos.to(tl.int32), mask=hit)
+            seen += tl.sum(hit.to(tl.int32), 0)
     rows = tl.arange(0, BM)
     for pad in range(mine, mine_padded, BM):
         tl.store(sorted_ptr + begin + pad + rows, num_pairs,
@@ -80,6 +92,14 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_blocks, 
         total = tl.sum(padded, 0) // BM
         for b in range(total, num_blocks, BM):
             tl.store(block_expert_ptr + b + rows, -1, mask=b + rows < num_blocks)
+
+
+def pair_tile(num_pairs: int) -> tuple[int, bool, int]:
+    """``(BLOCK_S, ONE_TILE, num_warps)`` of :func:`moe_align`'s launch: pairs are read in
+    tiles of 1,024, or of 8,192 past that (a decode step's 1,024 tokens x 8 experts in one
+    tile: the kernel's time is the latency of its passes over the tiles, not their work)."""
+    block = 1024 if num_pairs <= 1024 else 8192
+    return block, num_pairs <= block, 4 if block == 1024 else 8
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int
@@ -103,7 +123,9 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int
     blocks = max_blocks(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    block, one_tile, warps = pair_tile(num_pairs)
     _align_kernel[(num_experts,)](
-        flat, sorted_pairs, block_expert, num_pairs, blocks, num_experts, BM=block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_S=1024, num_warps=4)
+        flat, sorted_pairs, block_expert, num_pairs, blocks, BM=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_S=block, ONE_TILE=one_tile,
+        num_warps=warps)
     return sorted_pairs, block_expert

@@ -72,10 +72,13 @@ def test_routing_kernel_reads_bf16_logits_and_grouped_top_k_goes_to_torch():
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m",
                          [(1, 1, 4, 16), (5, 2, 8, 16), (37, 4, 16, 16), (300, 8, 64, 32),
-                          (129, 6, 7, 64)])
+                          (129, 6, 7, 64), (1024, 8, 128, 64), (1100, 8, 128, 16)])
 def test_align_kernel_equals_torch(tokens, top_k, experts, block_m):
+    """Pairs in one tile of 1,024 or 8,192 (read once), and in several (two passes)."""
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, experts, generator=gen).topk(top_k, -1)[1].to(DEVICE)
+    if tokens % 2:
+        ids = ids.int()  # the router's ids may be int32 or int64
     sorted_pairs, block_expert = moe_align(ids, experts, block_m)
     want_pairs, want_blocks = moe_align_torch(ids, experts, block_m)
     assert torch.equal(block_expert, want_blocks)
