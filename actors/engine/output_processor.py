@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from actors.engine.detokenizer import IncrementalDetokenizer, TokenPieces, find_stop_string
 from actors.engine.generation_output import GenerationOutput, TopLogprobs
 from actors.engine.logprob_rows import LogprobRows
 from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
@@ -28,15 +28,19 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.logprob_rows = LogprobRows()  # logprobs per step until a sequence finishes
+        self._pieces: TokenPieces | None | bool = False  # False: not looked for yet
 
     def start(self, seq: Sequence) -> None:
         """Prepares a sequence's output state (first admission or a fork)."""
         params = seq.request.params
         if seq.detok is None and params.detokenize:
+            if self._pieces is False:
+                self._pieces = TokenPieces.of(self.tokenizer)
             seq.detok = IncrementalDetokenizer(
                 self.tokenizer, seq.request.prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens)
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                pieces=self._pieces)
         if params.logprobs is not None and seq.logprobs is None:
             seq.logprobs, seq.sampled_ranks, seq.logprob_runs = [], [], []
             if params.logprobs != 0:
@@ -68,17 +72,20 @@ class OutputProcessor:
                 lp_rows.append(row)
             token, pos = tokens[row], pending_pos[row]
             end = pos + 1
-            grammar = seq.grammar
-            if (seq.detok is None and end < seq.max_num_tokens and end < max_len
-                    and token not in seq.request.stop_token_ids
+            grammar, detok, request = seq.grammar, seq.detok, seq.request
+            if (end < seq.max_num_tokens and end < max_len
+                    and token not in request.stop_token_ids
+                    and (detok is None or not request.params.stop)
                     and (grammar is None or (grammar.error_at < 0 and grammar.stopped_at < 0
                                              and grammar.num_accepted >= end - seq.num_prompt))):
-                # append_token's path for a token that cannot end the sequence (no text to
-                # check for stop strings, not a stop token, not the last allowed position;
-                # a grammar that accepted it already, without an error or an end), inlined:
-                # this loop runs for every row of every step
+                # append_token's path for a token that cannot end the sequence (no stop
+                # strings to look for in its text, not a stop token, not the last allowed
+                # position; a grammar that accepted it already, without an error or an end),
+                # inlined: this loop runs for every row of every step
                 seq.token_ids[pos] = token
                 seq.num_pending -= 1
+                if detok is not None:
+                    detok.add(token)
             elif append_token(seq, token, pos):
                 done.append(seq)
         if lp_seqs:  # before any finished sequence's output is built
