@@ -34,6 +34,8 @@ SEED, SAMPLE_INDEX, TOP_K, MIN_TOKENS, NUM_LOGPROBS, MODE, IS_GREEDY, HAS_ALLOWE
 MODE_CODES = {mode: code for code, mode in enumerate(LOGPROBS_MODES)}
 _NEUTRAL_F = (1.0, 1.0, -math.inf, 1.0, 0.0, 0.0)
 _NEUTRAL_I = (0, 0, 0, 0, OFF, 0, 0, 0)
+_NO_IDS = np.zeros(0, dtype=np.int64)  # a slot's specials when it has none (never written)
+_NO_IDS.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -150,10 +152,8 @@ class SamplerState:
     ) -> None:
         """Writes a (validated) request into ``slot``; device tables follow at the flush."""
         self.version += 1
-        f = self.fparams_host[slot]
-        i = self.iparams_host[slot]
-        f[:] = _NEUTRAL_F
-        i[:] = _NEUTRAL_I
+        # each host row written whole, from a list (one numpy write a row, not one a field)
+        f, i = list(_NEUTRAL_F), list(_NEUTRAL_I)
         greedy = params.temperature == 0.0
         if not greedy:
             f[TEMPERATURE] = params.temperature
@@ -168,6 +168,8 @@ class SamplerState:
         i[NUM_LOGPROBS] = OFF if params.logprobs is None else params.logprobs
         i[MODE] = MODE_CODES[params.logprobs_mode]
         i[HAS_ALLOWED] = params.allowed_token_ids is not None
+        self.fparams_host[slot] = f
+        self.iparams_host[slot] = i
         self._params_dirty = True
 
         self.active[slot] = True
@@ -176,8 +178,7 @@ class SamplerState:
         stops = list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
         if len(stops) > self.stop_ids_host.shape[1]:
             self.stop_ids_host = _grow(self.stop_ids_host, (self.max_num_seqs, len(stops)), -1)
-        self.stop_ids_host[slot] = -1
-        self.stop_ids_host[slot, : len(stops)] = stops
+        self.stop_ids_host[slot] = stops + [-1] * (self.stop_ids_host.shape[1] - len(stops))
 
         bias = params.logit_bias or {}
         self.has_bias[slot] = bool(bias)
@@ -186,10 +187,9 @@ class SamplerState:
             shape = (self.max_num_seqs, len(bias))
             self.bias_ids_host = _grow(self.bias_ids_host, shape, 0)
             self.bias_values_host = _grow(self.bias_values_host, shape, 0.0)
-        self.bias_ids_host[slot] = 0
-        self.bias_values_host[slot] = 0.0
-        self.bias_ids_host[slot, : len(bias)] = list(bias.keys())
-        self.bias_values_host[slot, : len(bias)] = list(bias.values())
+        pad = self.bias_ids_host.shape[1] - len(bias)
+        self.bias_ids_host[slot] = [*bias.keys()] + [0] * pad
+        self.bias_values_host[slot] = [*bias.values()] + [0.0] * pad
 
         self.has_bad_words[slot] = bool(bad_words)
         num_words = len(bad_words)
@@ -216,7 +216,8 @@ class SamplerState:
         if params.min_tokens > 0:
             specials += stops
         self._staged[slot] = _Staged(prompt, output, allowed, params.needs_penalties,
-                                     np.asarray(specials, dtype=np.int64))
+                                     np.asarray(specials, dtype=np.int64) if specials
+                                     else _NO_IDS)
 
     def remove_request(self, slot: int) -> None:
         """Frees ``slot``: host flags and parameters return to neutral values."""

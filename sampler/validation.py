@@ -35,8 +35,8 @@ def as_token_array(
         raise ValueError(f"{name}: must be a flat sequence of integer token ids")
     array = array.astype(np.int64)
     low = -1 if allow_placeholder else 0
-    bad = (array < low) | (array >= vocab_size)
-    if bad.any():
+    if array.min() < low or array.max() >= vocab_size:
+        bad = (array < low) | (array >= vocab_size)
         rule = "in [0, vocab_size)" + (" or -1 (not known yet)" if allow_placeholder else "")
         raise ValueError(f"{name}: token ids must be {rule} with vocab_size={vocab_size}, "
                          f"got {int(array[bad][0])}")

@@ -40,6 +40,9 @@ class Request:
     token_logprobs: bool = False
     # structured outputs: the future of the compiled constraint (actors.engine.structured), or None
     grammar: Any = None
+    # the prompt as an int64 array, made at the first admission to the sampler (each sample
+    # and each re-admission after a preemption hands it over again)
+    prompt_array: Any = None
 
     @property
     def is_compiling(self) -> bool:

@@ -152,6 +152,29 @@ def test_remove_then_add_before_a_step_uses_only_the_new_request():
     assert s.state.output_counts[0].sum().item() == 1 and s.state.positions[0].item() == 1
 
 
+def test_a_reused_slot_holds_the_rows_of_a_fresh_one():
+    """Every host row of a slot is written whole: what an earlier request left there (bias,
+    stop ids, bad words, parameters) is gone, as in a slot never used."""
+    vocab = 50
+    s = Sampler(3, vocab, device="cpu", eos_token_ids=[0])
+    busy = SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, min_tokens=2,
+                          repetition_penalty=1.3, logprobs=3, stop_token_ids=[4, 5, 6],
+                          logit_bias={7: 2.0, 8: 1.5, 3: -1.0}, seed=5)
+    s.add_request(0, busy, [1, 2], seed=5, bad_words_token_ids=[[9, 10], [11]])
+    s.add_request(2, busy, [1, 2], seed=5, bad_words_token_ids=[[9, 10], [11]])  # widths grown
+    s.remove_request(0)
+    plain = SamplingParams(temperature=0.0)
+    s.add_request(0, plain, np.array([3, 4], dtype=np.int64), seed=1)
+    s.add_request(1, plain, [3, 4], seed=1)
+    st = s.state
+    for rows in (st.fparams_host, st.iparams_host, st.stop_ids_host, st.bias_ids_host,
+                 st.bias_values_host, st.word_tokens_host, st.word_lens_host):
+        assert np.array_equal(rows[0], rows[1])
+    assert np.array_equal(st.bias_ids_host[2], [7, 8, 3])
+    assert np.array_equal(st.stop_ids_host[0], [0, -1, -1, -1])
+    assert st.iparams_host[2].tolist() != st.iparams_host[0].tolist()
+
+
 def test_invalid_calls_name_the_argument():
     s = Sampler(2, 10, device="cpu", eos_token_ids=[0])
     p = SamplingParams()
