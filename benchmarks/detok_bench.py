@@ -17,7 +17,8 @@ of every step). Each stream runs ``--repeats`` times both as the engine runs it 
 ``actors.engine.detokenizer.TokenPieces``) and with every step decoded by the tokenizer (the
 peer: the pieces turned off), alternating. Prints the median milliseconds of ``apply_step`` a
 step of each, and a digest of every row's final text, which must be equal for both (and
-between two checkouts that give equal outputs).
+for two checkouts that give equal outputs, the bench run from one tree: the ``text`` stream
+is read from the running tree's docs).
 
     python benchmarks/detok_bench.py                      # 1024 rows, 64 steps, both streams
     python benchmarks/detok_bench.py --rows 256 --stream random
