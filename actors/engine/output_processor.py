@@ -3,6 +3,7 @@ stop conditions of docs/sampler.md §4, and build ``GenerationOutput`` rows."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,14 +29,16 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.logprob_rows = LogprobRows()  # logprobs per step until a sequence finishes
-        self._pieces: TokenPieces | None | bool = False  # False: not looked for yet
+
+    @cached_property
+    def _pieces(self) -> TokenPieces | None:
+        """The tokenizer's token pieces, looked for at the first sequence that asks for text."""
+        return TokenPieces.of(self.tokenizer)
 
     def start(self, seq: Sequence) -> None:
         """Prepares a sequence's output state (first admission or a fork)."""
         params = seq.request.params
         if seq.detok is None and params.detokenize:
-            if self._pieces is False:
-                self._pieces = TokenPieces.of(self.tokenizer)
             seq.detok = IncrementalDetokenizer(
                 self.tokenizer, seq.request.prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,

@@ -59,6 +59,11 @@ def compile_plan(plan: dict[str, str]) -> list[tuple[re.Pattern, str]]:
             for key, style in plan.items()]
 
 
+def _relative(name: str, prefix: str) -> str:
+    """A module's name as the plan spells it (without the base model's prefix)."""
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
 def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t[start:stop].contiguous()
 
@@ -86,14 +91,13 @@ def shard_model(loaded: LoadedModel, comm: TPComm) -> tuple[LoadedModel, dict[st
             "with tensor_parallel_size > 1")
     prefix = model.base_model_prefix + "."
     patterns = compile_plan(plan)
-    patterns = compile_plan({**plan, **_experts_plan(model, patterns, prefix,
-                                                     loaded.architecture)})
+    patterns += compile_plan(_experts_plan(model, patterns, prefix, loaded.architecture))
     replicate_kv = kv_heads < tp
     local_kv = 1 if replicate_kv else kv_heads // tp
     slices: dict[str, ShardSlice] = {}
     embed = model.get_input_embeddings()
     for name, module in model.named_modules():
-        rel = name[len(prefix):] if name.startswith(prefix) else name
+        rel = _relative(name, prefix)
         style = next((s for p, s in patterns if p.fullmatch(rel)), None)
         if style is None or style in _REPLICATED or module is embed:
             continue  # the input embedding: split over the vocabulary below, whatever its style
@@ -155,7 +159,7 @@ def _experts_plan(model, patterns, prefix: str, architecture: str) -> dict[str, 
         gate_up = getattr(module, "gate_up_proj", None)
         if not (isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3):
             continue  # no fused experts (a 2-D gate_up_proj is a dense MLP's)
-        rel = name[len(prefix):] if name.startswith(prefix) else name
+        rel = _relative(name, prefix)
         names = (rel, f"{rel}.gate_up_proj", f"{rel}.down_proj")
         if any(p.fullmatch(n) for p, _ in patterns for n in names):
             continue
@@ -182,7 +186,7 @@ def _shard_expert_parameters(model, patterns, prefix: str, rank: int, tp: int,
                              slices: dict[str, ShardSlice], architecture: str) -> None:
     """The plan's entries that name parameters (fused MoE experts), not modules."""
     for name, param in list(model.named_parameters()):
-        rel = name[len(prefix):] if name.startswith(prefix) else name
+        rel = _relative(name, prefix)
         style = next((s for p, s in patterns if p.fullmatch(rel)), None)
         if style is None or style in _REPLICATED:
             continue
