@@ -472,7 +472,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     finished = events.get("finished", ended)
     ready = [t for t, _, kind, _ in actor_events if kind == "ready"]
     first_ready = min(ready) if ready else started
-    return {"returncode": rc, "end_to_end_s": ended - started,
+    return {"returncode": rc, "end_to_end_s": ended - started, "started_wall": started,
             "start_to_first_ready_s": first_ready - started,
             "start_to_all_ready_s": (max(ready) if ready else started) - started,
             "generation_s": finished - first_ready, "actors_started": len(ready),

@@ -7,7 +7,10 @@ times and reports, per run, seconds from the command's start: the driver's shard
 ("shards planned"), the local Ray's start and "Ray ready", each actor's "ready" with the
 startup report it logs (process age at ready, engine import and build phases), the first
 ready less Ray ready (the actors' part, apart from Ray's start), the skew between the actors'
-ready times, and end to end.
+ready times, and end to end. Ray's own start is split by its session's logs (``ray_*``
+fields, :func:`ray_timeline`): the GCS, the API server's first line (its imports done), the
+raylet's start, its agents' first lines, the raylet ready, the driver's and the first
+worker's core worker.
 
 ``--trees A,B`` runs every repeat once with each checkout's code (its directory first on
 ``PYTHONPATH``, for the driver and the Ray workers alike), alternating, so two versions are
@@ -24,6 +27,7 @@ first run, so compare the runs after it (``--repeats`` >= 2).
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import importlib.util
 import json
@@ -40,6 +44,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 READY = re.compile(r"jobs\.dispatch: (actor-\d+) ready \(startup: (.*)\)\s*$")
 PHASE = re.compile(r"([a-z_ ]+?) (-?[0-9.]+) s")
+LOG_PATH = re.compile(r"^log:\s+(\S+)\s*$")
+STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+# Ray's start, from the session's logs: (field, file glob, the line's text or None for the
+# file's first line); of several files the earliest line counts
+RAY_EVENTS = (
+    ("ray_gcs_s", "gcs_server.out", None),
+    ("ray_api_server_s", "dashboard.log", None),
+    ("ray_raylet_start_s", "raylet.out", None),
+    ("ray_agents_s", "dashboard_agent.log", None),
+    ("ray_agents_s", "runtime_env_agent.log", None),
+    ("ray_raylet_ready_s", "raylet.out", "Raylet of id"),
+    ("ray_driver_s", "python-core-driver-*.log", None),
+    ("ray_first_worker_s", "python-core-worker-*.log", None),
+)
 
 
 def load_job_bench():
@@ -74,6 +92,44 @@ def timeline(log: list[tuple[float, str]]) -> dict[str, Any]:
     out["ray_to_ready_s"] = (out["first_ready_s"] - out["ray_ready_s"]
                              if ready and "ray_ready_s" in out else None)
     return out
+
+
+def ray_timeline(logs: Path, started: float) -> dict[str, float]:
+    """Seconds from ``started`` (the command's start, ``time.time()``) to each of Ray's
+    startup events (``RAY_EVENTS``) found in the session's ``logs`` directory; the agents'
+    field is the later of the two agents' first lines (the raylet waits for both)."""
+    out: dict[str, float] = {}
+    for field, pattern, text in RAY_EVENTS:
+        stamps = [t for path in logs.glob(pattern) if (t := _stamp_of(path, text)) is not None]
+        if not stamps:
+            continue
+        t = min(stamps) - started
+        out[field] = max(out[field], t) if field == "ray_agents_s" and field in out else t
+    return out
+
+
+def _stamp_of(path: Path, text: str | None) -> float | None:
+    """The local time (``time.time()`` scale) of ``path``'s first line holding ``text`` (any
+    line when None) and a timestamp."""
+    try:
+        with path.open(errors="replace") as f:
+            for line in f:
+                if text is not None and text not in line:
+                    continue
+                if m := STAMP.search(line):
+                    when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+                    return when.timestamp() + int(m.group(2)) / 1000
+    except OSError:
+        return None
+    return None
+
+
+def session_logs(lines: list[tuple[float, str]]) -> Path | None:
+    """The Ray session's log directory, from the job summary's ``log:`` line."""
+    for _t, line in lines:
+        if m := LOG_PATH.match(line.strip()):
+            return Path(m.group(1)).parent
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -134,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      keep_log=True)
                 entry = {"tree": str(tree), "repeat": r + 1, "returncode": run["returncode"],
                          "end_to_end_s": run["end_to_end_s"], **timeline(run["log"])}
+                if (logs := session_logs(run["log"])) is not None:
+                    entry.update(ray_timeline(logs, run["started_wall"]))
                 report["runs"].append(entry)
                 (out / "startup_bench.json").write_text(json.dumps(report, indent=1))
     report["summary"] = summarize(report["runs"], trees)
@@ -158,6 +216,8 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
             "ready_skew_s": _median([r["ready_skew_s"] for r in later]),
             "process_age_at_ready_s": _median(ages),
             "end_to_end_s": _median([r["end_to_end_s"] for r in later]),
+            **{field: _median([r.get(field) for r in later])
+               for field in dict.fromkeys(f for f, _, _ in RAY_EVENTS)},
         }
     return summary
 
@@ -171,7 +231,7 @@ def print_summary(report: dict) -> None:
     print("\nstartup_bench (seconds from the command's start; medians after each tree's first run)")
     for tree, s in report["summary"].items():
         cells = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in s.items())
+                          for k, v in s.items() if v is not None)
         print(f"  {tree}: {cells}")
     for r in report["runs"]:
         actors = "; ".join(f"{a} ready {v['ready_s']:.1f} (age {v.get('process age')})"
