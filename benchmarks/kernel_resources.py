@@ -76,7 +76,9 @@ def resources(kernel, constants: dict, num_warps: int, arch: int) -> str:
 
 
 def specialisations(args) -> list[tuple[str, object, dict, int]]:
-    from sampler.kernels import candidates, rank, record
+    from sampler.kernels import rank, record
+    from sampler.kernels.candidate_finish import _cand_finish_kernel
+    from sampler.kernels.candidate_stats import _cand_stats_kernel
     from sampler.kernels.kernel_config import FIRST_BIN_WIDTH, MAX_PASSES, NUM_BINS, LaunchConfig
     from sampler.kernels.fused import _fused_sampler_kernel
     from sampler.kernels.launcher import cand_geometry
@@ -101,17 +103,17 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
         ("greedy split stats", _stats_kernel,
          dict(NO_MASKS, ANY_LP=True, ANY_RANDOM=False, BLOCK=block, VEC=cfg.vec), warps),
         ("rank", rank._chunk_rank_kernel, dict(BLOCK=cfg.cand_block), cfg.cand_warps),
-        ("candidate stats, full", candidates._cand_stats_kernel,
+        ("candidate stats, full", _cand_stats_kernel,
          dict(cand, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True), cfg.cand_warps),
-        ("candidate stats, greedy + logprob", candidates._cand_stats_kernel,
+        ("candidate stats, greedy + logprob", _cand_stats_kernel,
          dict(cand, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False), cfg.cand_warps),
-        ("candidate stats, greedy step", candidates._cand_stats_kernel,
+        ("candidate stats, greedy step", _cand_stats_kernel,
          dict(cand, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False, FINISH=True, NCP2=8,
               RECORD=True), cfg.cand_warps),
-        ("candidate finish, full", candidates._cand_finish_kernel,
+        ("candidate finish, full", _cand_finish_kernel,
          dict(LIST_MASKS, HAS_TOUCH=True, ANY_LP=True, ANY_LIST=True, CAP=cfg.cand_cap,
               NCP2=16, NWP2=4, WLP2=4, TB=256, SMALL=128, MID=512), cfg.cand_finish_warps),
-        ("candidate finish, greedy + logprob", candidates._cand_finish_kernel,
+        ("candidate finish, greedy + logprob", _cand_finish_kernel,
          dict({k: False for k in LIST_MASKS}, HAS_TOUCH=False, ANY_LP=True, ANY_LIST=False,
               CAP=cfg.cand_cap, NCP2=16, NWP2=1, WLP2=1, TB=256, SMALL=128, MID=512,
               RECORD=True, R_RECENT=True,

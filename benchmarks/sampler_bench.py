@@ -152,7 +152,7 @@ def _triton_variant(name: str) -> None:
     f = no skipping of empty tiles in the sampling pass, s = the exact selection passes always
     (no draw-then-verify), o = no greedy split (all-greedy steps without top-k logprobs in the
     fused kernel alone), u = no prefetch of the next tile in the row-pass loops, w = two tiles
-    ahead, a = no candidate path (``sampler.kernels.candidates``: every row in the fused
+    ahead, a = no candidate path (``sampler.kernels.candidate_stats``: every row in the fused
     kernel, all-greedy steps on the greedy split), vVEC = tokens per thread and tile row,
     kBxW[xC] = tiles of B tokens and W warps (and vocab chunks of C tokens) for the greedy
     split's kernels, qBxW[xC] = the same for the candidate path's statistics kernel, eW = W

@@ -12,7 +12,7 @@ from staged per-slot writes at the flush and from each step's sampled ids afterw
 its raw logit: the prompt and output tokens of a request with penalties, its logit-bias ids,
 its stop ids when it has ``min_tokens``, and the last token of each of its bad words. Tokens
 without the bit keep their raw value, which lets the Triton candidate path
-(:mod:`sampler.kernels.candidates`) read the row once and process only the marked tokens.
+(:mod:`sampler.kernels.candidate_stats`) read the row once and process only the marked tokens.
 """
 
 from __future__ import annotations

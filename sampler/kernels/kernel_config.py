@@ -54,11 +54,11 @@ class LaunchConfig:
     # the row-pass loops request the logits of the tile this many iterations ahead (0, 1, 2)
     # before processing the current one
     prefetch: int = 1
-    # the candidate path (sampler.kernels.candidates) for greedy rows and rows with top-k (and
-    # top logprobs) up to `cand_kmax`, the fused kernel only for the other rows and the rows
-    # it leaves: vocab chunks of `cand_chunk` tokens read in tiles of `cand_block` by
-    # `cand_warps` warps (`cand_vec` tokens a thread and tile row), candidate lists of
-    # `cand_cap` entries (a power of two), touched lists of `cand_tcap`
+    # the candidate path (sampler.kernels.candidate_stats, candidate_finish) for greedy rows
+    # and rows with top-k (and top logprobs) up to `cand_kmax`, the fused kernel only for the
+    # other rows and the rows it leaves: vocab chunks of `cand_chunk` tokens read in tiles of
+    # `cand_block` by `cand_warps` warps (`cand_vec` tokens a thread and tile row), candidate
+    # lists of `cand_cap` entries (a power of two), touched lists of `cand_tcap`
     cand: bool = True
     cand_chunk: int = 32768
     cand_block: int = 1024

@@ -2,12 +2,13 @@
 
 All-greedy steps of unprocessed logits without top logprobs are one launch of the candidate
 path's statistics kernel; greedy and top-k rows take the candidate path
-(:mod:`sampler.kernels.candidates`); the fused kernel (:mod:`sampler.kernels.fused`) takes the
-others and the rows the path leaves; other all-greedy steps run the greedy split (pass 1 over
-vocab chunks, then the fused kernel). Same contract as :func:`sampler.pipeline.run_pipeline`.
-Batches that ask for what the kernels do not compute (processed logprobs modes, whole-vocab
-logprobs, more top-k logprobs than the candidate list, fp64 noise) run on the torch path; the
-choice is made on the host from the step plan, without a device sync. Steps with grammar masks
+(:mod:`sampler.kernels.candidate_stats`, then :mod:`~sampler.kernels.candidate_finish`); the
+fused kernel (:mod:`sampler.kernels.fused`) takes the others and the rows the path leaves;
+other all-greedy steps run the greedy split (pass 1 over vocab chunks, then the fused kernel).
+Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for what the kernels
+do not compute (processed logprobs modes, whole-vocab logprobs, more top-k logprobs than the
+candidate list, fp64 noise) run on the torch path; the choice is made on the host from the step
+plan, without a device sync. Steps with grammar masks
 (``HAS_GRAMMAR``) skip the candidate path and the one-launch greedy step: the fused kernel and
 the greedy split's pass 1 apply the masks on the tiles they read.
 """
@@ -19,7 +20,8 @@ import logging
 import torch
 import triton
 
-from sampler.kernels.candidates import PART_WIDTH, _cand_finish_kernel, _cand_stats_kernel
+from sampler.kernels.candidate_finish import _cand_finish_kernel
+from sampler.kernels.candidate_stats import PART_WIDTH, _cand_stats_kernel
 from sampler.kernels.kernel_config import (FIRST_BIN_WIDTH, MAX_CAP, MAX_PASSES, NUM_BINS,
                                            REC_WIDTH, LaunchConfig, launch_config, placeholder)
 from sampler.kernels.fused import _fused_sampler_kernel
@@ -241,7 +243,8 @@ def use_candidates(cfg: LaunchConfig, plan: StepPlan) -> bool:
 def _run_candidates(cfg: LaunchConfig, plan: StepPlan, k: int, kout: int, rows: int, vocab: int,
                     dev, state, logits, idx_mapping, bans, tok, lp, rank, topk_ids, topk_vals,
                     thr, record: dict | None) -> tuple[torch.Tensor, bool]:
-    """The kernels of :mod:`sampler.kernels.candidates`; returns the per-row ``done`` flags
+    """The candidate path's two kernels (:mod:`sampler.kernels.candidate_stats`, then
+    :mod:`~sampler.kernels.candidate_finish`); returns the per-row ``done`` flags
     and whether some row may be left to the fused kernel (ineligible, or a list that can
     overflow or fall short). ``record``: the record keyword arguments
     (:func:`sampler.kernels.record.record_kwargs` with ``RECORD``: the finish kernel then

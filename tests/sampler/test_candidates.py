@@ -1,4 +1,4 @@
-"""The Triton candidate path (``sampler.kernels.candidates``) against the torch oracle, and the
+"""The Triton candidate path (``sampler.kernels.candidate_stats`` and ``candidate_finish``) against the torch oracle, and the
 one-launch record of a step (``sampler.kernels.record``): TRITON_INTERPRET=1 on the CPU, the
 GPU otherwise. Small shapes: the interpreter runs each program in Python."""
 
