@@ -7,7 +7,8 @@ times and reports, per run, seconds from the command's start: the driver's shard
 ("shards planned"), the local Ray's start and "Ray ready", each actor's "ready" with the
 startup report it logs (process age at ready, engine import and build phases), the first
 ready less Ray ready (the actors' part, apart from Ray's start), the skew between the actors'
-ready times, and end to end. Ray's own start is split by its session's logs (``ray_*``
+ready times, "job finished" and end to end (the process's exit: Ray's shutdown after the
+job). Ray's own start is split by its session's logs (``ray_*``
 fields, :func:`ray_timeline`): the GCS, the API server's first line (its imports done), the
 raylet's start, its agents' first lines, the raylet ready, the driver's and the first
 worker's core worker.
@@ -83,6 +84,8 @@ def timeline(log: list[tuple[float, str]]) -> dict[str, Any]:
             out["ray_start_s"] = t
         elif "jobs.cluster: Ray ready in" in line and "ray_ready_s" not in out:
             out["ray_ready_s"] = t
+        elif "jobs.runner: job finished" in line and "finished_s" not in out:
+            out["finished_s"] = t
         elif (m := READY.search(line)) and m.group(1) not in out["actors"]:
             out["actors"][m.group(1)] = {"ready_s": t, **startup_phases(m.group(2))}
     ready = [a["ready_s"] for a in out["actors"].values()]
@@ -215,6 +218,7 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
             "ray_to_ready_s": _median([r.get("ray_to_ready_s") for r in later]),
             "ready_skew_s": _median([r["ready_skew_s"] for r in later]),
             "process_age_at_ready_s": _median(ages),
+            "finished_s": _median([r.get("finished_s") for r in later]),
             "end_to_end_s": _median([r["end_to_end_s"] for r in later]),
             **{field: _median([r.get(field) for r in later])
                for field in dict.fromkeys(f for f, _, _ in RAY_EVENTS)},

@@ -23,6 +23,7 @@ def test_the_timeline_reads_the_plan_ray_and_each_actors_first_ready(startup_ben
                   "import 2.0 s, build transformers import 3.9 s, build cuda graphs 1.3 s)"),
            (16.2, "INFO jobs.dispatch: actor-1 ready (startup: process age 13.1 s, engine "
                   "import 2.2 s)"),
+           (29.0, "INFO jobs.runner: job finished: 64 rows (0 errors), 512 output tokens"),
            (30.0, "INFO jobs.dispatch: actor-1 ready (startup: process age 14.0 s)")]  # again
     t = startup_bench.timeline(log)
     assert t["planned_s"] == 0.5 and t["ray_start_s"] == 1.0 and t["ray_ready_s"] == 4.5
@@ -32,6 +33,7 @@ def test_the_timeline_reads_the_plan_ray_and_each_actors_first_ready(startup_ben
     assert t["actors"]["actor-1"]["process age"] == 13.1  # a restart is not the startup
     assert t["first_ready_s"] == 15.0 and t["ready_skew_s"] == pytest.approx(1.2)
     assert t["ray_to_ready_s"] == pytest.approx(10.5)  # the actors' part, after Ray's start
+    assert t["finished_s"] == 29.0
     assert startup_bench.timeline(log[:2] + log[3:])["ray_to_ready_s"] is None  # no Ray ready
     runs = [{"tree": "a", "end_to_end_s": e, "planned_s": 1.0, "ray_ready_s": r,
              "first_ready_s": f, "ray_to_ready_s": f - r, "ready_skew_s": 0.0,
@@ -44,7 +46,7 @@ def test_the_timeline_reads_the_plan_ray_and_each_actors_first_ready(startup_ben
     assert {k: v for k, v in summary.items() if k not in ray_fields} == {
         "runs": 2, "planned_s": 1.0, "ray_ready_s": 3.5, "first_ready_s": 17.0,
         "ray_to_ready_s": 13.5, "ready_skew_s": 0.0, "process_age_at_ready_s": 12.5,
-        "end_to_end_s": 26.0}
+        "finished_s": None, "end_to_end_s": 26.0}
     assert all(summary[f] is None for f in ray_fields)  # no session logs read
 
 
@@ -92,6 +94,7 @@ def test_a_cpu_run_reports_each_actors_startup(startup_bench, tmp_path, capsys):
     assert 0 < run["planned_s"] < run["ray_ready_s"] < run["first_ready_s"] == actor["ready_s"] \
         < run["end_to_end_s"]
     assert actor["process age"] > 0 and "build transformers import" in actor
+    assert run["first_ready_s"] < run["finished_s"] < run["end_to_end_s"]
     assert run["ray_to_ready_s"] == pytest.approx(run["first_ready_s"] - run["ray_ready_s"])
     # Ray's start from its session logs, in the order its processes come up (ms stamps)
     assert 0 < run["ray_gcs_s"] <= run["ray_raylet_start_s"] <= run["ray_raylet_ready_s"] \
