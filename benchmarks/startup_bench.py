@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--trees", default=str(REPO),
                    help="comma-separated checkouts whose code runs the job, alternating")
+    p.add_argument("--text", action="store_true",
+                   help="the model saved with the Qwen tokenizer, jobs detokenizing (job_bench's "
+                        "--text): the tokenizer load of a real vocabulary counted in")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=".", help="directory for startup_bench.json")
     args = p.parse_args(argv)
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = SimpleNamespace(model_config=args.model_config, prompt_len=128 if
                                args.model_config != "tiny" else 16, output_len=16,
                                max_num_seqs=0, max_batched_tokens=0, device=args.device,
-                               gpus_per_actor=args.gpus_per_actor, rows_per_shard=rows_per_shard)
+                               gpus_per_actor=args.gpus_per_actor, rows_per_shard=rows_per_shard,
+                               text=args.text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": vars(args), "runs": []}
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         spec = getattr(e2e, spec_name)
         t0 = time.perf_counter()
         model = e2e.build_model(spec, work / "model")
+        if args.text:
+            jb.save_text_tokenizer(work / "model", spec["vocab_size"])
         del model  # the jobs' actors need the device memory, not this process
         gc.collect()
         import torch  # loaded already by e2e_bench

@@ -122,3 +122,13 @@ def test_half_a_gpu_per_actor_runs_two_actors_on_one_gpu(job_bench, tmp_path):
     for bad in ("0", "1.5", "-1"):
         with pytest.raises(SystemExit):
             job_bench.main(["--gpus-per-actor", bad, "--out", str(tmp_path)])
+
+
+def test_text_runs_detokenize_in_the_bare_engine_and_the_job(job_bench, tmp_path):
+    report = job_bench.main(["--model-config", "tiny", "--device", "cpu", "--rows", "32",
+                             "--output-len", "8", "--rows-per-shard", "16", "--max-actors", "1",
+                             "--no-overlap-run", "--text", "--out", str(tmp_path),
+                             "--tmp", str(tmp_path)])
+    job = report["jobs"]["1_actor"]
+    assert job["checks"]["text_where_asked"] and all(job["checks"].values()), job["checks"]
+    assert report["job_config"]["sampling_params"]["detokenize"] is True
