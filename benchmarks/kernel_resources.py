@@ -31,7 +31,7 @@ POINTERS = {
     "rec_ptr": "*fp32", "done_ptr": "*i32", "vtok_ptr": "*fp32",
     "tbits_ptr": "*i32", "lval_ptr": "*fp32", "lid_ptr": "*i32", "tval_ptr": "*fp32",
     "tid_ptr": "*i32", "proc_ptr": "*fp32", "scratch_ptr": "*i32",
-    "arrive_ptr": "*i32",
+    "arrive_ptr": "*i32", "gbits_ptr": "*i32", "grow_ptr": "*i32",
     "words_ptr": "*i64", "wlens_ptr": "*i64", "recent_ptr": "*i64", "r_counts_ptr": "*i32",
     "r_pbits_ptr": "*i32", "r_tbits_ptr": "*i32", "r_recent_ptr": "*i64",
 }
@@ -90,12 +90,16 @@ def specialisations(args) -> list[tuple[str, object, dict, int]]:
                  CAP=cfg.cap, MAX_PASSES=MAX_PASSES, W0=FIRST_BIN_WIDTH, SPLIT=False, NCP2=1,
                  FAST=cfg.fast, HAS_DONE=False)
     greedy = dict(NO_MASKS, ANY_RANDOM=False, ANY_SEL=False, ANY_MASS=False, ANY_RK=False)
+    top_p = dict(fused, **NO_MASKS, ANY_LP=False, ANY_RK=False)  # e2e's and structured's mix
     block, warps = args.chunk_block, args.chunk_warps
     _chunk, _n, cg, cw = cand_geometry(cfg, 151936)
     cand = dict(BLOCK=cfg.cand_block, VEC=cfg.cand_vec, PREFETCH=cfg.prefetch, CG=cg,
                 CELLCAP=cfg.cand_cellcap, CW=cw, GW=cfg.cand_gw)
     return [
         ("fused, full workload", _fused_sampler_kernel, fused, cfg.num_warps),
+        ("fused, T + top-p", _fused_sampler_kernel, top_p, cfg.num_warps),
+        ("fused, T + top-p, grammar masks", _fused_sampler_kernel,
+         {**top_p, "HAS_GRAMMAR": True}, cfg.num_warps),
         ("fused, greedy + top-k logprobs", _fused_sampler_kernel,
          {**fused, **greedy, "ANY_RK": True}, cfg.num_warps),
         ("fused, greedy", _fused_sampler_kernel, {**fused, **greedy, "ANY_LP": False},
