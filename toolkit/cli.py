@@ -259,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     runs = args.command in ("run", "run-batch", "demo")
     with logs.configured(_level(args), log_file=runs) as args.log_handler:
+        had_ray = _ray_connected()
         try:
-            return args.func(args)
+            code = args.func(args)
         except (ValueError, OSError, RuntimeError) as exc:
             _auth(exc)
             print(f"raygen: error: {exc}", file=sys.stderr)
@@ -269,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
             print("raygen: interrupted (committed shards are kept; rerun to resume)",
                   file=sys.stderr)
             return 130
+        if runs and code == 0 and not had_ray and _ray_connected():
+            # the session this run opened ends now (a local Ray it started stops; a cluster is
+            # only left), as at the exit less the 0.5 s Ray's exit hook waits for late worker
+            # lines (a failed run keeps that wait: its workers' last lines may tell why)
+            sys.modules["ray"].shutdown()
+        return code
+
+
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import yaml
 
 import jobs.cluster
+import toolkit.cli
 from tests.jobs.helpers import write_parquet
 from toolkit.cli import build_parser, main
 
@@ -172,3 +175,35 @@ def test_quiet_by_default_and_details_with_verbose(capsys, tmp_path):
         assert ("shard 0 by actor-0" in err) is shown
         assert "raygen: 4/12 rows" in err and "WARNING jobs.dispatch: actor-0 lost" in err
         assert "shard 0 by actor-0: details" in open(path).read()
+
+
+class _FakeRay:
+    def __init__(self, connected: bool):
+        self.connected = connected
+        self.shutdowns = 0
+
+    def is_initialized(self) -> bool:
+        return self.connected
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.connected = False
+
+
+@pytest.mark.parametrize("connected_before,code,ended", [
+    (False, 0, True),   # the run opened the session and finished: it ends now
+    (True, 0, False),   # a session the caller holds is left to the caller
+    (False, 1, False),  # a failed run leaves the ending to the exit (late worker lines)
+])
+def test_a_finished_run_ends_the_ray_session_it_opened(monkeypatch, connected_before, code,
+                                                      ended):
+    fake = _FakeRay(connected_before)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+
+    def run(args):
+        fake.connected = True  # the run connects (or finds the caller's session)
+        return code
+
+    monkeypatch.setattr(toolkit.cli, "_cmd_run", run)
+    assert main(["run", "job.yaml", "--no-progress"]) == code
+    assert fake.shutdowns == int(ended) and fake.connected is not ended
