@@ -190,7 +190,7 @@ def job_config(args, work: Path, output: Path, num_actors: int, deterministic: b
         "model": str(work / "model"), "input": str(work / "input.parquet"),
         "output": str(output), "ray_address": "local",
         "sampling_params": {"max_tokens": args.output_len, "ignore_eos": True,
-                            "detokenize": bool(getattr(args, "text", False))},
+                            "detokenize": args.text},
         "seed": JOB_SEED, "num_actors": num_actors,
         "num_gpus_per_actor": 0 if args.device == "cpu" else args.gpus_per_actor,
         "rows_per_shard": args.rows_per_shard, "max_shard_attempts": 3,

@@ -10,7 +10,7 @@ ready less Ray ready (the actors' part, apart from Ray's start), the skew betwee
 ready times, "job finished" and end to end (the process's exit: Ray's shutdown after the
 job). Ray's own start is split by its session's logs (``ray_*``
 fields, :func:`ray_timeline`): the GCS, the API server's first line (its imports done), the
-raylet's start, its agents' first lines, the raylet ready, the driver's and the first
+raylet's start, its two agents' first lines, the raylet ready, the driver's and the first
 worker's core worker.
 
 ``--trees A,B`` runs every repeat once with each checkout's code (its directory first on
@@ -48,13 +48,14 @@ PHASE = re.compile(r"([a-z_ ]+?) (-?[0-9.]+) s")
 LOG_PATH = re.compile(r"^log:\s+(\S+)\s*$")
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 # Ray's start, from the session's logs: (field, file glob, the line's text or None for the
-# file's first line); of several files the earliest line counts
+# file's first line); of several files the earliest line counts. The raylet registers once
+# both of its agents are up.
 RAY_EVENTS = (
     ("ray_gcs_s", "gcs_server.out", None),
     ("ray_api_server_s", "dashboard.log", None),
     ("ray_raylet_start_s", "raylet.out", None),
-    ("ray_agents_s", "dashboard_agent.log", None),
-    ("ray_agents_s", "runtime_env_agent.log", None),
+    ("ray_dashboard_agent_s", "dashboard_agent.log", None),
+    ("ray_runtime_env_agent_s", "runtime_env_agent.log", None),
     ("ray_raylet_ready_s", "raylet.out", "Raylet of id"),
     ("ray_driver_s", "python-core-driver-*.log", None),
     ("ray_first_worker_s", "python-core-worker-*.log", None),
@@ -99,15 +100,12 @@ def timeline(log: list[tuple[float, str]]) -> dict[str, Any]:
 
 def ray_timeline(logs: Path, started: float) -> dict[str, float]:
     """Seconds from ``started`` (the command's start, ``time.time()``) to each of Ray's
-    startup events (``RAY_EVENTS``) found in the session's ``logs`` directory; the agents'
-    field is the later of the two agents' first lines (the raylet waits for both)."""
+    startup events (``RAY_EVENTS``) found in the session's ``logs`` directory."""
     out: dict[str, float] = {}
     for field, pattern, text in RAY_EVENTS:
         stamps = [t for path in logs.glob(pattern) if (t := _stamp_of(path, text)) is not None]
-        if not stamps:
-            continue
-        t = min(stamps) - started
-        out[field] = max(out[field], t) if field == "ray_agents_s" and field in out else t
+        if stamps:
+            out[field] = min(stamps) - started
     return out
 
 
@@ -227,7 +225,7 @@ def summarize(runs: list[dict], trees: list[Path]) -> dict[str, dict[str, float 
             "finished_s": _median([r.get("finished_s") for r in later]),
             "end_to_end_s": _median([r["end_to_end_s"] for r in later]),
             **{field: _median([r.get(field) for r in later])
-               for field in dict.fromkeys(f for f, _, _ in RAY_EVENTS)},
+               for field, _, _ in RAY_EVENTS},
         }
     return summary
 

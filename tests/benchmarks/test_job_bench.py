@@ -113,7 +113,7 @@ def test_half_a_gpu_per_actor_runs_two_actors_on_one_gpu(job_bench, tmp_path):
     assert job_bench.actors_that_fit(1, 0.4) == 2 and job_bench.actors_that_fit(1, 0.6) == 1
     args = type("Args", (), {"model_config": "tiny", "prompt_len": 8, "output_len": 8,
                              "max_num_seqs": 0, "max_batched_tokens": 0, "device": "auto",
-                             "gpus_per_actor": 0.5, "rows_per_shard": 16})()
+                             "gpus_per_actor": 0.5, "rows_per_shard": 16, "text": False})()
     config = job_bench.job_config(args, tmp_path, tmp_path / "out", 2, True)
     assert config["num_gpus_per_actor"] == 0.5 and config["num_actors"] == 2
     args.device = "cpu"

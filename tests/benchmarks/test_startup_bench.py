@@ -75,7 +75,8 @@ def test_rays_start_is_read_from_its_session_logs(startup_bench, tmp_path):
     assert startup_bench.session_logs(log[:1]) is None
     t = startup_bench.ray_timeline(logs, started)
     assert t == pytest.approx({"ray_gcs_s": 0.762, "ray_api_server_s": 1.431,
-                               "ray_raylet_start_s": 1.853, "ray_agents_s": 2.554,
+                               "ray_raylet_start_s": 1.853, "ray_dashboard_agent_s": 2.554,
+                               "ray_runtime_env_agent_s": 2.527,
                                "ray_raylet_ready_s": 2.79, "ray_driver_s": 2.958,
                                "ray_first_worker_s": 3.419})
     (logs / "raylet.out").write_text("[2026-12-05 00:11:14,353 I 1 1] (raylet) starting\n")
@@ -99,7 +100,8 @@ def test_a_cpu_run_reports_each_actors_startup(startup_bench, tmp_path, capsys):
     # Ray's start from its session logs, in the order its processes come up (ms stamps)
     assert 0 < run["ray_gcs_s"] <= run["ray_raylet_start_s"] <= run["ray_raylet_ready_s"] \
         <= run["ray_driver_s"] <= run["ray_first_worker_s"] < run["first_ready_s"]
-    assert run["ray_gcs_s"] <= run["ray_api_server_s"] and "ray_agents_s" in run
+    assert run["ray_gcs_s"] <= run["ray_api_server_s"]
+    assert "ray_dashboard_agent_s" in run and "ray_runtime_env_agent_s" in run
     assert "startup_bench" in capsys.readouterr().out
 
 
