@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -14,3 +15,8 @@ def load_benchmark(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def written_as_returned(path: Path, result: object) -> bool:
+    """Whether the JSON a benchmark wrote to ``path`` is what its ``main`` returned."""
+    return json.loads(path.read_text()) == json.loads(json.dumps(result, default=str))

@@ -4,12 +4,11 @@ run is the benchmark itself)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.benchmarks.helpers import load_benchmark
+from tests.benchmarks.helpers import load_benchmark, written_as_returned
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,8 +23,7 @@ def test_cpu_run_checks_every_job_and_survives_a_killed_actor(job_bench, tmp_pat
                              "--output-len", "32", "--rows-per-shard", "16", "--max-actors",
                              "2", "--no-overlap-run", "--repeats", "2", "--out", str(tmp_path),
                              "--tmp", str(tmp_path)])
-    assert json.loads((tmp_path / "job_bench.json").read_text()) == \
-        json.loads(json.dumps(report, default=str))
+    assert written_as_returned(tmp_path / "job_bench.json", report)
     jobs = report["jobs"]
     assert set(jobs) == {"1_actor", "2_actors", "2_actors_kill"}
     for name, job in jobs.items():

@@ -7,13 +7,12 @@ import json
 
 import pytest
 
-from tests.benchmarks.helpers import load_benchmark
+from tests.benchmarks.helpers import load_benchmark, written_as_returned
 
 def test_determinism_bench_compares_alone_and_batched_probes(tmp_path, capsys):
     report = load_benchmark("determinism").main(["--workload", "tiny", "--out", str(tmp_path),
                                        "--tmp", str(tmp_path)])
-    assert json.loads((tmp_path / "determinism.json").read_text()) == \
-        json.loads(json.dumps(report))
+    assert written_as_returned(tmp_path / "determinism.json", report)
     off, on = report["results"]
     assert (off["batch_invariant"], on["batch_invariant"]) == (False, True)
     for r in (off, on):
