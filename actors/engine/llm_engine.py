@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-import numpy as np
-
 from actors.engine import profiling
 from actors.engine.builder import EngineParts, build_engine_parts
 from actors.engine.cpu_threads import engine_cpu_threads
@@ -327,13 +325,9 @@ class Engine:
         self.outputs.start(seq)
         if request.grammar is not None:
             self.structured.start(seq)
-        prompt = request.prompt_array
-        if prompt is None:
-            ids = request.prompt_token_ids
-            prompt = request.prompt_array = np.fromiter(ids, dtype=np.int64, count=len(ids))
         self.sampler.add_request(
             # each sample draws from its own seed (stream 0): alone with n=1 it draws the same
-            seq.slot, request.params, prompt,
+            seq.slot, request.params, request.prompt_array,
             seed=sample_seed(request.seed, seq.sample_index), sample_index=0,
             output_token_ids=seq.output_token_ids,
             bad_words_token_ids=request.bad_words_token_ids)

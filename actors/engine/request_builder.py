@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from actors.engine.sequence import Request
 from sampler.params import SamplingParams
 from sampler.seeding import derive_seed
@@ -110,6 +112,7 @@ class InputProcessor:
         request = Request(
             request_id=request_id,
             prompt_token_ids=ids,
+            prompt_array=np.fromiter(ids, dtype=np.int64, count=len(ids)),
             params=params,
             seed=self.resolve_seed(request_id, params),
             arrival=arrival,

@@ -40,8 +40,8 @@ class Request:
     token_logprobs: bool = False
     # structured outputs: the future of the compiled constraint (actors.engine.structured), or None
     grammar: Any = None
-    # the prompt as an int64 array, made at the first admission to the sampler (each sample
-    # and each re-admission after a preemption hands it over again)
+    # the prompt as an int64 array (made with the request, off the stepping thread when the
+    # request is built ahead): what each sample's admission to the sampler hands over
     prompt_array: Any = None
 
     @property
