@@ -15,11 +15,12 @@ from sampler.ops.gumbel import NoisePrecision
 from sampler.sampler_output import SamplerOutput
 from sampler.params import SamplingParams
 from sampler.step_plan import PlanCache
-from sampler.state import SamplerState, to_device
+from sampler.state import SamplerState, SlotParams, to_device
 from sampler.validation import (
     as_bad_words,
     as_seed,
     as_token_array,
+    as_token_arrays,
     check_logits,
 )
 
@@ -117,18 +118,61 @@ class Sampler:
         Raises:
             ValueError: naming the argument, for an invalid slot, seed, id or parameter.
         """
-        slot = self._check_slot(slot)
+        self.add_requests([slot], [self.prepare(params, bad_words_token_ids)],
+                          [prompt_token_ids], seeds=[seed], sample_indices=[sample_index],
+                          output_token_ids=[output_token_ids])
+
+    def prepare(self, params: SamplingParams,
+                bad_words_token_ids: Sequence[Sequence[int]] = ()) -> SlotParams:
+        """A request's parameters checked against the model and turned into its rows of the
+        slot tables, once, for :meth:`add_requests` (any thread: it reads no slot).
+
+        Raises:
+            ValueError: naming the argument, for an invalid parameter or bad word.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
         params.verify_for_model(self.vocab_size, max_logprobs=self.max_logprobs)
-        seed = as_seed(seed)
-        if isinstance(sample_index, bool) or not isinstance(sample_index, int) or sample_index < 0:
-            raise ValueError(f"sample_index: must be an int >= 0, got {sample_index!r}")
-        prompt = as_token_array("prompt_token_ids", prompt_token_ids, self.vocab_size)
-        output = as_token_array("output_token_ids", output_token_ids, self.vocab_size,
-                                allow_placeholder=True)
-        words = as_bad_words(bad_words_token_ids, self.vocab_size)
-        self.state.add_request(slot, params, prompt, output, seed, sample_index, words)
+        return self.state.prepare(params, as_bad_words(bad_words_token_ids, self.vocab_size))
+
+    def add_requests(
+        self,
+        slots: Sequence[int],
+        rows: Sequence[SlotParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        seeds: Sequence[int],
+        sample_indices: Sequence[int],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> None:
+        """Puts several requests into their slots at once, as :meth:`add_request` does one
+        (the arguments are its, a list entry per slot; ``rows`` from :meth:`prepare`). Nothing
+        is written unless every entry is valid.
+
+        Raises:
+            ValueError: naming the argument, for an invalid or repeated slot, seed or id.
+        """
+        count = len(slots)
+        if not (len(rows) == len(prompt_token_ids) == len(seeds) == len(sample_indices)
+                == len(output_token_ids) == count):
+            raise ValueError("add_requests: every argument needs one entry per slot")
+        slots = [self._check_slot(slot) for slot in slots]
+        if len(set(slots)) != count:
+            raise ValueError(f"slot: each slot at most once, got {slots}")
+        for row in rows:
+            if not isinstance(row, SlotParams):
+                raise ValueError(f"rows: must come from Sampler.prepare, got {type(row).__name__}")
+        seeds = [as_seed(seed) for seed in seeds]
+        for sample_index in sample_indices:
+            if isinstance(sample_index, bool) or not isinstance(sample_index, int) \
+                    or sample_index < 0:
+                raise ValueError(f"sample_index: must be an int >= 0, got {sample_index!r}")
+        vocab = self.vocab_size
+        prompts = as_token_arrays("prompt_token_ids", prompt_token_ids, vocab)
+        outputs = as_token_arrays("output_token_ids", output_token_ids, vocab,
+                                  allow_placeholder=True)
+        self.state.add_requests(slots, list(rows), prompts, outputs, seeds,
+                                list(sample_indices))
 
     def remove_request(self, slot: int) -> None:
         """Frees ``slot`` (finished, aborted or preempted request)."""

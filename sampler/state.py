@@ -49,6 +49,23 @@ class _Staged:
     specials: np.ndarray  # bias ids, stop ids (with min_tokens), bad words' last tokens
 
 
+@dataclass(frozen=True, slots=True)
+class SlotParams:
+    """A request's rows of the slot tables (:meth:`SamplerState.prepare`), written into a
+    slot at each admission of one of its samples."""
+
+    f: tuple[float, ...]  # the fparams row
+    i: tuple[int, ...]  # the iparams row, its seed and sample index neutral
+    stops: tuple[int, ...]  # stop ids and EOS ids
+    bias_ids: tuple[int, ...]
+    bias_values: tuple[float, ...]
+    words: tuple[tuple[int, ...], ...]  # bad words, tokenized
+    allowed: np.ndarray | None
+    specials: np.ndarray  # bias ids, stop ids (with min_tokens), bad words' last tokens
+    penalties: bool
+    has_seed: bool  # the request set its own seed (params.seed)
+
+
 def _grow(array: np.ndarray, shape: tuple[int, ...], fill: float) -> np.ndarray:
     """A copy of ``array`` enlarged to ``shape``; new entries ``fill`` (right-aligned last dim
     for 2-d/3-d token tables is handled by the caller)."""
@@ -140,6 +157,38 @@ class SamplerState:
         self._tables_dirty = True
 
     # ------------------------------------------------------------------ host side
+    def prepare(self, params: SamplingParams, bad_words: list[list[int]]) -> SlotParams:
+        """A (validated) request's rows for :meth:`add_requests`; the same for every slot and
+        every admission of that request."""
+        f, i = list(_NEUTRAL_F), list(_NEUTRAL_I)
+        greedy = params.temperature == 0.0
+        if not greedy:
+            f[TEMPERATURE] = params.temperature
+            f[TOP_P] = params.top_p
+            f[LOG_MIN_P] = math.log(params.min_p) if params.min_p > 0 else -math.inf
+            i[TOP_K] = params.top_k
+        f[REPETITION] = params.repetition_penalty
+        f[FREQUENCY] = params.frequency_penalty
+        f[PRESENCE] = params.presence_penalty
+        i[IS_GREEDY] = greedy
+        i[MIN_TOKENS] = params.min_tokens
+        i[NUM_LOGPROBS] = OFF if params.logprobs is None else params.logprobs
+        i[MODE] = MODE_CODES[params.logprobs_mode]
+        i[HAS_ALLOWED] = params.allowed_token_ids is not None
+        stops = tuple(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
+        bias = params.logit_bias or {}
+        words = tuple(tuple(w) for w in bad_words)
+        specials = [*bias.keys(), *(w[-1] for w in words if w)]
+        if params.min_tokens > 0:
+            specials += stops
+        return SlotParams(
+            f=tuple(f), i=tuple(i), stops=stops, bias_ids=tuple(bias.keys()),
+            bias_values=tuple(bias.values()), words=words,
+            allowed=None if params.allowed_token_ids is None
+            else np.asarray(params.allowed_token_ids, dtype=np.int64),
+            specials=np.asarray(specials, dtype=np.int64) if specials else _NO_IDS,
+            penalties=params.needs_penalties, has_seed=params.seed is not None)
+
     def add_request(
         self,
         slot: int,
@@ -151,49 +200,55 @@ class SamplerState:
         bad_words: list[list[int]],
     ) -> None:
         """Writes a (validated) request into ``slot``; device tables follow at the flush."""
+        self.add_requests([slot], [self.prepare(params, bad_words)], [prompt], [output],
+                          [seed], [sample_index])
+
+    def add_requests(self, slots: list[int], rows: list[SlotParams], prompts: list[np.ndarray],
+                     outputs: list[np.ndarray], seeds: list[int],
+                     sample_indices: list[int]) -> None:
+        """Writes (validated) requests into their distinct ``slots``, one write a table for
+        all of them; device tables follow at the flush."""
+        count = len(slots)
+        if count == 0:
+            return
         self.version += 1
-        # each host row written whole, from a list (one numpy write a row, not one a field)
-        f, i = list(_NEUTRAL_F), list(_NEUTRAL_I)
-        greedy = params.temperature == 0.0
-        if not greedy:
-            f[TEMPERATURE] = params.temperature
-            f[TOP_P] = params.top_p
-            f[LOG_MIN_P] = math.log(params.min_p) if params.min_p > 0 else -math.inf
-            i[TOP_K] = params.top_k
-        f[REPETITION] = params.repetition_penalty
-        f[FREQUENCY] = params.frequency_penalty
-        f[PRESENCE] = params.presence_penalty
-        i[SEED], i[SAMPLE_INDEX], i[IS_GREEDY] = seed, sample_index, greedy
-        i[MIN_TOKENS] = params.min_tokens
-        i[NUM_LOGPROBS] = OFF if params.logprobs is None else params.logprobs
-        i[MODE] = MODE_CODES[params.logprobs_mode]
-        i[HAS_ALLOWED] = params.allowed_token_ids is not None
-        self.fparams_host[slot] = f
-        self.iparams_host[slot] = i
+        index = np.asarray(slots, dtype=np.int64)
+        irows = []
+        for row, seed, sample_index in zip(rows, seeds, sample_indices):
+            i = list(row.i)
+            i[SEED], i[SAMPLE_INDEX] = seed, sample_index
+            irows.append(i)
+        self.fparams_host[index] = [row.f for row in rows]
+        self.iparams_host[index] = irows
         self._params_dirty = True
 
-        self.active[slot] = True
-        self.pos_host[slot] = len(output)
-        self.has_penalties[slot] = params.needs_penalties
-        stops = list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
-        if len(stops) > self.stop_ids_host.shape[1]:
-            self.stop_ids_host = _grow(self.stop_ids_host, (self.max_num_seqs, len(stops)), -1)
-        self.stop_ids_host[slot] = stops + [-1] * (self.stop_ids_host.shape[1] - len(stops))
+        self.active[index] = True
+        self.pos_host[index] = [len(output) for output in outputs]
+        self.has_penalties[index] = [row.penalties for row in rows]
+        self.has_seed[index] = [row.has_seed for row in rows]
+        width = max(len(row.stops) for row in rows)
+        if width > self.stop_ids_host.shape[1]:
+            self.stop_ids_host = _grow(self.stop_ids_host, (self.max_num_seqs, width), -1)
+        width = self.stop_ids_host.shape[1]
+        self.stop_ids_host[index] = [(*row.stops, *(-1,) * (width - len(row.stops)))
+                                     for row in rows]
 
-        bias = params.logit_bias or {}
-        self.has_bias[slot] = bool(bias)
-        self.has_seed[slot] = params.seed is not None
-        if len(bias) > self.bias_ids_host.shape[1]:
-            shape = (self.max_num_seqs, len(bias))
+        self.has_bias[index] = [bool(row.bias_ids) for row in rows]
+        width = max(len(row.bias_ids) for row in rows)
+        if width > self.bias_ids_host.shape[1]:
+            shape = (self.max_num_seqs, width)
             self.bias_ids_host = _grow(self.bias_ids_host, shape, 0)
             self.bias_values_host = _grow(self.bias_values_host, shape, 0.0)
-        pad = self.bias_ids_host.shape[1] - len(bias)
-        self.bias_ids_host[slot] = [*bias.keys()] + [0] * pad
-        self.bias_values_host[slot] = [*bias.values()] + [0.0] * pad
+        self.bias_ids_host[index] = 0
+        self.bias_values_host[index] = 0.0
+        for slot, row in zip(slots, rows):
+            if row.bias_ids:
+                self.bias_ids_host[slot, :len(row.bias_ids)] = row.bias_ids
+                self.bias_values_host[slot, :len(row.bias_ids)] = row.bias_values
 
-        self.has_bad_words[slot] = bool(bad_words)
-        num_words = len(bad_words)
-        max_len = max((len(w) for w in bad_words), default=1)
+        self.has_bad_words[index] = [bool(row.words) for row in rows]
+        num_words = max(len(row.words) for row in rows)
+        max_len = max((len(w) for row in rows for w in row.words), default=1)
         _, cur_words, cur_len = self.word_tokens_host.shape
         if num_words > cur_words or max_len > cur_len:
             new_words, new_len = max(num_words, cur_words), max(max_len, cur_len)
@@ -201,23 +256,18 @@ class SamplerState:
             grown[:, :cur_words, new_len - cur_len:] = self.word_tokens_host  # right-aligned
             self.word_tokens_host = grown
             self.word_lens_host = _grow(self.word_lens_host, (self.max_num_seqs, new_words), 0)
-        self.word_tokens_host[slot] = PAD_ANY
-        self.word_lens_host[slot] = 0
+        self.word_tokens_host[index] = PAD_ANY
+        self.word_lens_host[index] = 0
         width = self.word_tokens_host.shape[2]
-        for w, word in enumerate(bad_words):
-            self.word_tokens_host[slot, w, width - len(word):] = word
-            self.word_lens_host[slot, w] = len(word)
+        for slot, row in zip(slots, rows):
+            for w, word in enumerate(row.words):
+                self.word_tokens_host[slot, w, width - len(word):] = word
+                self.word_lens_host[slot, w] = len(word)
         self._tables_dirty = True
 
-        allowed = None
-        if params.allowed_token_ids is not None:
-            allowed = np.asarray(params.allowed_token_ids, dtype=np.int64)
-        specials = [*bias.keys(), *(w[-1] for w in bad_words if w)]
-        if params.min_tokens > 0:
-            specials += stops
-        self._staged[slot] = _Staged(prompt, output, allowed, params.needs_penalties,
-                                     np.asarray(specials, dtype=np.int64) if specials
-                                     else _NO_IDS)
+        staged = self._staged
+        for slot, row, prompt, output in zip(slots, rows, prompts, outputs):
+            staged[slot] = _Staged(prompt, output, row.allowed, row.penalties, row.specials)
 
     def remove_request(self, slot: int) -> None:
         """Frees ``slot``: host flags and parameters return to neutral values."""

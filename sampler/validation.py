@@ -43,6 +43,34 @@ def as_token_array(
     return array
 
 
+def as_token_arrays(
+    name: str, values: Sequence[Any], vocab_size: int, *, allow_placeholder: bool = False
+) -> list[np.ndarray]:
+    """:func:`as_token_array` of each entry (private copies), the 1-d integer arrays among
+    them checked and copied together: one range check for a whole admission."""
+    out: list[Any] = [None] * len(values)
+    flat, where = [], []
+    for k, value in enumerate(values):
+        if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu":
+            flat.append(value)
+            where.append(k)
+        elif isinstance(value, (list, tuple)) and not value:
+            out[k] = np.zeros(0, dtype=np.int64)
+        else:
+            out[k] = as_token_array(name, value, vocab_size, allow_placeholder=allow_placeholder)
+    if flat:
+        joined = np.concatenate(flat).astype(np.int64, copy=False)
+        low = -1 if allow_placeholder else 0
+        if joined.size and (joined.min() < low or joined.max() >= vocab_size):
+            for value in flat:  # the entry at fault raises, naming its id
+                as_token_array(name, value, vocab_size, allow_placeholder=allow_placeholder)
+        start = 0  # the joined copy's pieces: private to the caller's arrays
+        for k, value in zip(where, flat):
+            out[k] = joined[start:start + len(value)]
+            start += len(value)
+    return out
+
+
 def as_seed(value: Any) -> int:
     """A seed in ``[0, 2**63)``; raises ValueError naming ``seed`` otherwise."""
     if type(value).__module__ == "numpy" and hasattr(value, "item"):

@@ -206,6 +206,8 @@ class Engine:
             return ("reject", request_id, params, f"request id {request_id!r:.80} is not hashable")
         try:
             request = self.inputs.build(request_id, prompt, params, -1)
+            request.sampler_rows = self.sampler.prepare(request.params,
+                                                        request.bad_words_token_ids)
         except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
             logger.debug("request %r rejected: %s", request_id, exc)
             return ("reject", request_id, params, str(exc))
@@ -227,6 +229,8 @@ class Engine:
             request.grammar = self.structured.submit(constraint)
             if request.params.min_tokens:  # the grammar alone decides where the text may end
                 request.params = request.params.replace(min_tokens=0)
+                request.sampler_rows = self.sampler.prepare(request.params,
+                                                            request.bad_words_token_ids)
             self._compiling.append(request)
         self.scheduler.add(seq)
 
@@ -301,8 +305,8 @@ class Engine:
                 self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
             for slot in sched.released_slots:
                 self.sampler.remove_request(slot)
-            for seq in sched.admitted:
-                self._admit_to_sampler(seq)
+            if sched.admitted:
+                self._admit_to_sampler(sched.admitted)
             launched = None if sched.is_empty else self.executor.launch(sched, self._inflight)
             if self._inflight is not None:
                 self._process(self._inflight)
@@ -320,17 +324,21 @@ class Engine:
                                      counters.cpu_s - cpu_before, sum(sched.num_new))
             return ready
 
-    def _admit_to_sampler(self, seq: Sequence) -> None:
-        request = seq.request
-        self.outputs.start(seq)
-        if request.grammar is not None:
-            self.structured.start(seq)
-        self.sampler.add_request(
+    def _admit_to_sampler(self, seqs: list[Sequence]) -> None:
+        """The sequences a step admits take their sampler slots, one write for them all."""
+        outputs, structured = self.outputs, self.structured
+        for seq in seqs:
+            outputs.start(seq)
+            if seq.request.grammar is not None:
+                structured.start(seq)
+        requests = [seq.request for seq in seqs]
+        self.sampler.add_requests(
+            [seq.slot for seq in seqs], [r.sampler_rows for r in requests],
+            [r.prompt_array for r in requests],
             # each sample draws from its own seed (stream 0): alone with n=1 it draws the same
-            seq.slot, request.params, request.prompt_array,
-            seed=sample_seed(request.seed, seq.sample_index), sample_index=0,
-            output_token_ids=seq.output_token_ids,
-            bad_words_token_ids=request.bad_words_token_ids)
+            seeds=[sample_seed(r.seed, seq.sample_index) for r, seq in zip(requests, seqs)],
+            sample_indices=[0] * len(seqs),
+            output_token_ids=[seq.output_token_ids for seq in seqs])
 
     def _process(self, step: InflightStep) -> None:
         for scores in step.prompt_scores:

@@ -80,7 +80,7 @@ def test_fifty_steps_equal_stateless(vocab, host_slots, monkeypatch):
                             lambda self, slots, rows, *rest: (real(self, slots, rows)[0], None))
     live: dict[int, Live] = {}
     serial = 0
-    seen_reuse = seen_readmit = 0
+    seen_reuse = seen_readmit = seen_batched = 0
     for step in range(50):
         for slot in list(live):
             if rng.random() < 0.12:  # finished
@@ -96,13 +96,26 @@ def test_fifty_steps_equal_stateless(vocab, host_slots, monkeypatch):
                                     bad_words_token_ids=req.bad_words)
                 seen_readmit += 1
         free = [s for s in range(max_num_seqs) if s not in live]
-        for slot in rng.sample(free, k=min(len(free), rng.randrange(0, 4))):
+        admitted = rng.sample(free, k=min(len(free), rng.randrange(0, 4)))
+        batched = rng.random() < 0.5  # one add_requests for the step's admissions
+        for slot in admitted:
             serial += 1
             req = _random_request(rng, vocab, serial)
-            sampler.add_request(slot, req.params, req.prompt, seed=req.params.seed,
-                                sample_index=req.sample_index, bad_words_token_ids=req.bad_words)
+            if not batched:
+                sampler.add_request(slot, req.params, req.prompt, seed=req.params.seed,
+                                    sample_index=req.sample_index,
+                                    bad_words_token_ids=req.bad_words)
             seen_reuse += step > 0 and slot < max_num_seqs
             live[slot] = req
+        if batched and admitted:
+            reqs = [live[slot] for slot in admitted]
+            sampler.add_requests(
+                admitted, [sampler.prepare(r.params, r.bad_words) for r in reqs],
+                [np.array(r.prompt, dtype=rng.choice([np.int64, np.int32])) for r in reqs],
+                seeds=[r.params.seed for r in reqs],
+                sample_indices=[r.sample_index for r in reqs],
+                output_token_ids=[[] for _ in reqs])
+            seen_batched += 1
         scheduled = [s for s in live if rng.random() < 0.85]
         rng.shuffle(scheduled)
         if not scheduled:
@@ -130,13 +143,81 @@ def test_fifty_steps_equal_stateless(vocab, host_slots, monkeypatch):
             _compare_widths(out, want)
         for r, token in zip(reqs, out.token_ids.tolist()):
             r.output.append(token)
-    assert serial > 20 and seen_reuse and seen_readmit
+    assert serial > 20 and seen_reuse and seen_readmit and seen_batched
     # the device-side counts equal the history of every slot with penalties
     for slot, req in live.items():
         if req.params.needs_penalties:
             known = [t for t in req.output if t >= 0]
             assert sampler.state.output_counts[slot].tolist() == np.bincount(
                 known, minlength=vocab).tolist()
+
+
+def _host_tables(sampler: Sampler) -> dict:
+    st = sampler.state
+    tables = {name: getattr(st, name).copy() for name in (
+        "active", "pos_host", "has_penalties", "has_bad_words", "has_bias", "has_seed",
+        "fparams_host", "iparams_host", "stop_ids_host", "bias_ids_host", "bias_values_host",
+        "word_tokens_host", "word_lens_host")}
+    tables["staged"] = {slot: (g.prompt.tolist(), g.output.tolist(),
+                               None if g.allowed is None else g.allowed.tolist(), g.penalties,
+                               g.specials.tolist()) for slot, g in st._staged.items()}
+    return tables
+
+
+def test_add_requests_writes_what_add_request_writes_row_by_row():
+    """One write for many slots (widening the stop, bias and bad-word tables on the way)
+    leaves every host table and staged write as the same requests added one at a time."""
+    rng = random.Random(5)
+    vocab, slots = 300, [3, 0, 7, 5, 1]
+    reqs = [_random_request(rng, vocab, k) for k in range(len(slots))]
+    reqs[2].params = reqs[2].params.replace(logit_bias={1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0},
+                                            stop_token_ids=[5, 6, 9, 10])
+    reqs[3].bad_words = [[4, 5, 6, 7], [8], [9, 10], [11, 12, 13]]
+    outputs = [[], [4, -1], [], [2, 2, 2], []]
+    one, many = (Sampler(8, vocab, device="cpu", eos_token_ids=EOS) for _ in range(2))
+    for slot, r, out in zip(slots, reqs, outputs):
+        one.add_request(slot, r.params, r.prompt, seed=r.params.seed + 1,
+                        sample_index=r.sample_index, output_token_ids=out,
+                        bad_words_token_ids=r.bad_words)
+    many.add_requests(slots, [many.prepare(r.params, r.bad_words) for r in reqs],
+                      [np.array(r.prompt) for r in reqs], seeds=[r.params.seed + 1 for r in reqs],
+                      sample_indices=[r.sample_index for r in reqs], output_token_ids=outputs)
+    want, got = _host_tables(one), _host_tables(many)
+    assert want.keys() == got.keys()
+    for name in want:
+        if name == "staged":
+            assert got[name] == want[name]
+        else:
+            assert np.array_equal(got[name], want[name]), name
+
+
+def test_add_requests_checks_every_entry_before_writing_any():
+    s = Sampler(4, 50, device="cpu", eos_token_ids=[0])
+    rows = [s.prepare(SamplingParams(temperature=0.5)) for _ in range(3)]
+    version = s.state.version
+    cases = [
+        (dict(prompt_token_ids=[np.array([1, 2]), np.array([3, 50]), np.array([4])]),
+         "prompt_token_ids: token ids must be in \\[0, vocab_size\\) with vocab_size=50, got 50"),
+        (dict(output_token_ids=[[], [], [-2]]), "output_token_ids: token ids must be in"),
+        (dict(slots=[0, 2, 0]), "slot: each slot at most once"),
+        (dict(slots=[0, 1, 4]), "slot: must be an int in \\[0, 4\\)"),
+        (dict(seeds=[1, -1, 2]), "seed: must be an int in"),
+        (dict(rows=[rows[0], SamplingParams(), rows[2]]), "rows: must come from Sampler.prepare"),
+    ]
+    for change, message in cases:
+        args = dict(slots=[0, 1, 2], rows=rows,
+                    prompt_token_ids=[np.array([1, 2]), [3], np.array([4], np.int32)],
+                    seeds=[1, 2, 3], sample_indices=[0, 0, 1], output_token_ids=[[], [], []])
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            s.add_requests(args.pop("slots"), args.pop("rows"), args.pop("prompt_token_ids"),
+                           **args)
+        assert s.state.version == version and not s.state.active.any() and not s.state._staged
+    prompt = np.array([1, 2, 3])
+    s.add_requests([1], rows[:1], [prompt], seeds=[1], sample_indices=[0],
+                   output_token_ids=[[]])
+    prompt[0] = 40  # the sampler keeps its own copy
+    assert s.state._staged[1].prompt.tolist() == [1, 2, 3]
 
 
 def test_remove_then_add_before_a_step_uses_only_the_new_request():
