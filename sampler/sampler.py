@@ -178,6 +178,10 @@ class Sampler:
         """Frees ``slot`` (finished, aborted or preempted request)."""
         self.state.remove_request(self._check_slot(slot))
 
+    def remove_requests(self, slots: Sequence[int]) -> None:
+        """Frees several slots at once (a step's finished requests)."""
+        self.state.remove_requests([self._check_slot(slot) for slot in slots])
+
     # ------------------------------------------------------------------ step
     def _index(self, slots: Sequence[int] | torch.Tensor, rows: int,
                device_slots: torch.Tensor | None = None

@@ -271,14 +271,22 @@ class SamplerState:
 
     def remove_request(self, slot: int) -> None:
         """Frees ``slot``: host flags and parameters return to neutral values."""
-        self.active[slot] = False
+        self.remove_requests([slot])
+
+    def remove_requests(self, slots: list[int]) -> None:
+        """Frees ``slots``, one write a table for them all."""
+        if not slots:
+            return
+        index = np.asarray(slots, dtype=np.int64)
+        self.active[index] = False
         self.version += 1
-        self.has_penalties[slot] = self.has_bad_words[slot] = self.has_bias[slot] = False
-        self.has_seed[slot] = False
-        self.fparams_host[slot] = _NEUTRAL_F
-        self.iparams_host[slot] = _NEUTRAL_I
+        self.has_penalties[index] = self.has_bad_words[index] = self.has_bias[index] = False
+        self.has_seed[index] = False
+        self.fparams_host[index] = _NEUTRAL_F
+        self.iparams_host[index] = _NEUTRAL_I
         self._params_dirty = True
-        self._staged.pop(slot, None)
+        for slot in slots:
+            self._staged.pop(slot, None)
 
     # ------------------------------------------------------------------ device side
     def _upload(self, dst: torch.Tensor | None, host: np.ndarray) -> torch.Tensor:

@@ -276,14 +276,22 @@ class Engine:
         self._requests.pop(request_id, None)
 
     def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
-        for slot in self.scheduler.finish(seq):
-            self.sampler.remove_request(slot)
-        self.structured.release(seq)
-        request = seq.request
-        request.num_unfinished -= 1
-        if request.num_unfinished <= 0:
-            self._requests.pop(request.request_id, None)
-        return self.outputs.build(seq, top)
+        return self._finish_all([seq], {id(seq): top} if top is not None else {})[0]
+
+    def _finish_all(self, seqs: list[Sequence], tops: dict) -> list[GenerationOutput]:
+        """The outputs of finished sequences (``tops``: their top logprobs by ``id(seq)``);
+        their pages and slots freed, one write a sampler table for them all."""
+        self.sampler.remove_requests(self.scheduler.finish_all(seqs))
+        structured, requests, build = self.structured, self._requests, self.outputs.build
+        outputs = []
+        for seq in seqs:
+            structured.release(seq)
+            request = seq.request
+            request.num_unfinished -= 1
+            if request.num_unfinished <= 0:
+                requests.pop(request.request_id, None)
+            outputs.append(build(seq, tops.get(id(seq))))
+        return outputs
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
@@ -303,8 +311,8 @@ class Engine:
             if sched.is_empty and self._inflight is None and self._compiling:
                 # nothing can run until a constraint compiles: wait for one, not spin
                 self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
-            for slot in sched.released_slots:
-                self.sampler.remove_request(slot)
+            if sched.released_slots:
+                self.sampler.remove_requests(sched.released_slots)
             if sched.admitted:
                 self._admit_to_sampler(sched.admitted)
             launched = None if sched.is_empty else self.executor.launch(sched, self._inflight)
@@ -360,9 +368,7 @@ class Engine:
         done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra,
                                   host.logprobs, host.ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
-            tops = outputs.top_logprobs_of(done)
-            for seq in done:
-                self._ready.append(self._finish(seq, tops.get(id(seq))))
+            self._ready += self._finish_all(done, outputs.top_logprobs_of(done))
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,

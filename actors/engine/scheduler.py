@@ -350,13 +350,20 @@ class Scheduler:
     # ------------------------------------------------------------------ finishing
     def finish(self, seq: Sequence) -> list[int]:
         """Removes a finished sequence; returns the sampler slot it released (if any)."""
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
-        self.bm.free(seq.block_table)
-        seq.block_table = []
+        return self.finish_all([seq])
+
+    def finish_all(self, seqs: list[Sequence]) -> list[int]:
+        """Removes finished sequences (one pass over the running ones for them all); returns
+        the sampler slots they released."""
+        running = {id(seq) for seq in seqs if seq.status is SeqStatus.RUNNING}
+        if running:
+            self.running[:] = [seq for seq in self.running if id(seq) not in running]
         released: list[int] = []
-        self._release_slots(seq, released)
-        seq.status = SeqStatus.FINISHED
+        for seq in seqs:
+            if seq.status is SeqStatus.WAITING and seq in self.waiting:
+                self.waiting.remove(seq)
+            self.bm.free(seq.block_table)
+            seq.block_table = []
+            self._release_slots(seq, released)
+            seq.status = SeqStatus.FINISHED
         return released

@@ -153,3 +153,21 @@ def test_max_tokens_reached_is_not_scheduled_again():
     sample(s.schedule())
     assert s.is_generation_done(seq)
     assert s.schedule().is_empty
+
+
+def test_finish_all_removes_running_and_waiting_sequences_in_one_pass():
+    s = make(num_blocks=64, max_num_seqs=4, budget=64, caching=False)
+    seqs = [add(s, range(10 * i, 10 * i + 5), rid=i) for i in range(4)]
+    waiting = add(s, range(50, 55), rid=4)  # no slot left: it waits
+    s.schedule()
+    assert [q.status for q in seqs] == [SeqStatus.RUNNING] * 4
+    assert waiting.status is SeqStatus.WAITING
+    free_before = s.bm.num_free_blocks
+    slots = [seqs[2].slot, seqs[0].slot]
+    released = s.finish_all([seqs[2], waiting, seqs[0]])
+    assert released == slots
+    assert s.running == [seqs[1], seqs[3]]  # the others keep their order
+    assert waiting not in s.waiting and not s.waiting
+    assert all(q.status is SeqStatus.FINISHED and q.block_table == [] and q.slot == -1
+               for q in (seqs[2], waiting, seqs[0]))
+    assert s.bm.num_free_blocks == free_before + 4  # two pages each for the running two
