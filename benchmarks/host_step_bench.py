@@ -4,6 +4,7 @@ host work is what it is for any model size).
 
     python benchmarks/host_step_bench.py                       # batch 1024, both param mixes
     python benchmarks/host_step_bench.py --batch 256 --mix job
+    python benchmarks/host_step_bench.py --mix top_p --waves   # + admissions, rows ending
 
 Mixes: ``top_p`` (e2e_bench's: T 0.8, top-p 0.95, a seed per request), ``job``
 (job_bench's per-row mix: greedy, top-p, top-k, min-p, seeds, logprobs 0/5/20) and
@@ -77,12 +78,72 @@ def run(mix: str, batch: int, output_len: int, model: str) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v[4:-2]) for k, v in times.items()}
 
 
+def run_waves(batch: int, output_len: int, model: str) -> dict[str, float]:
+    """The host work at a batch's two ends (e2e_bench's mix): 128-token prompts admitted 256
+    to a 32,768-token step, and rows ending over four steps (``max_tokens`` ``output_len - i %
+    4``). Medians of ``Engine._admit_to_sampler`` a step that admits and of ``Engine._process``
+    a step where rows end, each also per sequence."""
+    import torch
+
+    from actors.engine.llm_engine import Engine
+    from sampler import SamplingParams
+
+    torch.set_num_threads(1)
+    prompt_len = 128
+    engine = Engine(model, {"device": "cpu", "max_num_seqs": batch,
+                            "max_model_len": prompt_len + output_len,
+                            "max_num_batched_tokens": 32768,
+                            "num_kv_blocks": batch * ((prompt_len + output_len) // 16 + 2),
+                            "enable_prefix_caching": False})
+    step_s: dict[str, float] = {}
+
+    def timed(name: str) -> None:
+        inner = getattr(engine, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                step_s[name] = step_s.get(name, 0.0) + time.perf_counter() - t0
+                if name == "_admit_to_sampler":  # a step's sequences (or one of them)
+                    step_s["admitted"] = step_s.get("admitted", 0) + (
+                        len(args[0]) if isinstance(args[0], list) else 1)
+        setattr(engine, name, wrapper)
+
+    timed("_admit_to_sampler")
+    timed("_process")
+    for i in range(batch):
+        engine.add_request(i, [(7 * i + j) % 400 + 10 for j in range(prompt_len)],
+                           SamplingParams(max_tokens=output_len - i % 4, ignore_eos=True,
+                                          detokenize=False, temperature=0.8, top_p=0.95,
+                                          seed=i))
+    admit, finish = [], []
+    while engine.has_unfinished_requests():
+        step_s.clear()
+        ended = len(engine.step())
+        admitted = step_s.get("admitted", 0)
+        if admitted:
+            admit.append((step_s.get("_admit_to_sampler", 0.0), admitted))
+        if ended:
+            finish.append((step_s.get("_process", 0.0), ended))
+    out = {}
+    for key, rows in (("admit", admit), ("finish", finish)):
+        out[f"{key}_ms"] = 1e3 * statistics.median(t for t, _ in rows)
+        out[f"{key}_us_per_seq"] = 1e6 * statistics.median(t / n for t, n in rows)
+        out[f"{key}_steps"] = len(rows)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--mix", choices=("top_p", "job", "structured", "both", "all"),
                    default="both", help="both: top_p and job; all: the three")
+    p.add_argument("--waves", action="store_true",
+                   help="also the admissions of a prefill of 128-token prompts and the rows "
+                        "ending over the last four steps (run_waves)")
     args = p.parse_args(argv)
     from toolkit.tiny_model import build_tiny_model
 
@@ -97,6 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{mix:6} batch {args.batch}: " + ", ".join(
                 f"{k} {v:.2f} ms" for k, v in results[mix].items()) + " per decode step",
                 flush=True)
+        if args.waves:
+            w = results["waves"] = run_waves(args.batch, args.output_len, model)
+            print(f"waves  batch {args.batch}: admission {w['admit_ms']:.2f} ms a prefill "
+                  f"step ({w['admit_us_per_seq']:.1f} us a sequence), output processing "
+                  f"{w['finish_ms']:.2f} ms a step where rows end ({w['finish_us_per_seq']:.1f} "
+                  f"us a row)", flush=True)
     return results
 
 
