@@ -15,7 +15,8 @@ from sampler.ops.gumbel import NoisePrecision
 from sampler.sampler_output import SamplerOutput
 from sampler.params import SamplingParams
 from sampler.step_plan import PlanCache
-from sampler.state import SamplerState, SlotParams, to_device
+from sampler.slot_params import SlotParams
+from sampler.state import SamplerState, to_device
 from sampler.validation import (
     as_bad_words,
     as_seed,

@@ -17,26 +17,34 @@ without the bit keep their raw value, which lets the Triton candidate path
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sampler.ops.bad_words import PAD_ANY
-from sampler.ops.logprobs import OFF
-from sampler.params import LOGPROBS_MODES, SamplingParams
-
-# float32 columns of ``fparams``
-TEMPERATURE, TOP_P, LOG_MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)
-# int64 columns of ``iparams``
-SEED, SAMPLE_INDEX, TOP_K, MIN_TOKENS, NUM_LOGPROBS, MODE, IS_GREEDY, HAS_ALLOWED = range(8)
-MODE_CODES = {mode: code for code, mode in enumerate(LOGPROBS_MODES)}
-_NEUTRAL_F = (1.0, 1.0, -math.inf, 1.0, 0.0, 0.0)
-_NEUTRAL_I = (0, 0, 0, 0, OFF, 0, 0, 0)
-_NO_IDS = np.zeros(0, dtype=np.int64)  # a slot's specials when it has none (never written)
-_NO_IDS.flags.writeable = False
-
+from sampler.params import SamplingParams
+from sampler.slot_params import (  # noqa: F401 - the column names, read by the pipelines
+    FREQUENCY,
+    HAS_ALLOWED,
+    IS_GREEDY,
+    LOG_MIN_P,
+    MIN_TOKENS,
+    MODE,
+    MODE_CODES,
+    NEUTRAL_F,
+    NEUTRAL_I,
+    NUM_LOGPROBS,
+    PRESENCE,
+    REPETITION,
+    SAMPLE_INDEX,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SlotParams,
+    slot_params,
+)
 
 @dataclass(slots=True)
 class _Staged:
@@ -47,23 +55,6 @@ class _Staged:
     allowed: np.ndarray | None
     penalties: bool
     specials: np.ndarray  # bias ids, stop ids (with min_tokens), bad words' last tokens
-
-
-@dataclass(frozen=True, slots=True)
-class SlotParams:
-    """A request's rows of the slot tables (:meth:`SamplerState.prepare`), written into a
-    slot at each admission of one of its samples."""
-
-    f: tuple[float, ...]  # the fparams row
-    i: tuple[int, ...]  # the iparams row, its seed and sample index neutral
-    stops: tuple[int, ...]  # stop ids and EOS ids
-    bias_ids: tuple[int, ...]
-    bias_values: tuple[float, ...]
-    words: tuple[tuple[int, ...], ...]  # bad words, tokenized
-    allowed: np.ndarray | None
-    specials: np.ndarray  # bias ids, stop ids (with min_tokens), bad words' last tokens
-    penalties: bool
-    has_seed: bool  # the request set its own seed (params.seed)
 
 
 def _grow(array: np.ndarray, shape: tuple[int, ...], fill: float) -> np.ndarray:
@@ -121,8 +112,8 @@ class SamplerState:
         self.has_bad_words = np.zeros(s, dtype=bool)
         self.has_bias = np.zeros(s, dtype=bool)
         self.has_seed = np.zeros(s, dtype=bool)  # the request set its own seed (params.seed)
-        self.fparams_host = np.tile(np.array(_NEUTRAL_F, dtype=np.float32), (s, 1))
-        self.iparams_host = np.tile(np.array(_NEUTRAL_I, dtype=np.int64), (s, 1))
+        self.fparams_host = np.tile(np.array(NEUTRAL_F, dtype=np.float32), (s, 1))
+        self.iparams_host = np.tile(np.array(NEUTRAL_I, dtype=np.int64), (s, 1))
         self.fparams = torch.from_numpy(self.fparams_host.copy()).to(device)
         self.iparams = torch.from_numpy(self.iparams_host.copy()).to(device)
         self.is_greedy = torch.zeros(s, dtype=torch.bool, device=device)
@@ -158,36 +149,8 @@ class SamplerState:
 
     # ------------------------------------------------------------------ host side
     def prepare(self, params: SamplingParams, bad_words: list[list[int]]) -> SlotParams:
-        """A (validated) request's rows for :meth:`add_requests`; the same for every slot and
-        every admission of that request."""
-        f, i = list(_NEUTRAL_F), list(_NEUTRAL_I)
-        greedy = params.temperature == 0.0
-        if not greedy:
-            f[TEMPERATURE] = params.temperature
-            f[TOP_P] = params.top_p
-            f[LOG_MIN_P] = math.log(params.min_p) if params.min_p > 0 else -math.inf
-            i[TOP_K] = params.top_k
-        f[REPETITION] = params.repetition_penalty
-        f[FREQUENCY] = params.frequency_penalty
-        f[PRESENCE] = params.presence_penalty
-        i[IS_GREEDY] = greedy
-        i[MIN_TOKENS] = params.min_tokens
-        i[NUM_LOGPROBS] = OFF if params.logprobs is None else params.logprobs
-        i[MODE] = MODE_CODES[params.logprobs_mode]
-        i[HAS_ALLOWED] = params.allowed_token_ids is not None
-        stops = tuple(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
-        bias = params.logit_bias or {}
-        words = tuple(tuple(w) for w in bad_words)
-        specials = [*bias.keys(), *(w[-1] for w in words if w)]
-        if params.min_tokens > 0:
-            specials += stops
-        return SlotParams(
-            f=tuple(f), i=tuple(i), stops=stops, bias_ids=tuple(bias.keys()),
-            bias_values=tuple(bias.values()), words=words,
-            allowed=None if params.allowed_token_ids is None
-            else np.asarray(params.allowed_token_ids, dtype=np.int64),
-            specials=np.asarray(specials, dtype=np.int64) if specials else _NO_IDS,
-            penalties=params.needs_penalties, has_seed=params.seed is not None)
+        """A (validated) request's rows for :meth:`add_requests`."""
+        return slot_params(params, self.eos_token_ids, bad_words)
 
     def add_request(
         self,
@@ -282,8 +245,8 @@ class SamplerState:
         self.version += 1
         self.has_penalties[index] = self.has_bad_words[index] = self.has_bias[index] = False
         self.has_seed[index] = False
-        self.fparams_host[index] = _NEUTRAL_F
-        self.iparams_host[index] = _NEUTRAL_I
+        self.fparams_host[index] = NEUTRAL_F
+        self.iparams_host[index] = NEUTRAL_I
         self._params_dirty = True
         for slot in slots:
             self._staged.pop(slot, None)

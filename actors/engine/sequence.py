@@ -43,7 +43,7 @@ class Request:
     # the prompt as an int64 array (made with the request, off the stepping thread when the
     # request is built ahead): what each sample's admission to the sampler hands over
     prompt_array: Any = None
-    # the sampler's rows of its parameters (sampler.state.SlotParams, made with the request
+    # the sampler's rows of its parameters (sampler.slot_params.SlotParams, made with the request
     # too): what each sample's admission writes into its slot
     sampler_rows: Any = None
 
