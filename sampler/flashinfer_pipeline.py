@@ -24,15 +24,8 @@ from sampler.pipeline import (
     apply_masks_and_penalties,
 )
 from sampler.step_plan import StepPlan
-from sampler.state import (
-    LOG_MIN_P,
-    MODE,
-    NUM_LOGPROBS,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    SamplerState,
-)
+from sampler.slot_params import LOG_MIN_P, MODE, NUM_LOGPROBS, TEMPERATURE, TOP_K, TOP_P
+from sampler.state import SamplerState
 
 logger = logging.getLogger(__name__)
 _logged_reasons: set[str] = set()

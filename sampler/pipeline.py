@@ -29,7 +29,7 @@ from sampler.ops import (
 from sampler.ops.gumbel import NoisePrecision
 from sampler.sampler_output import SamplerOutput
 from sampler.step_plan import StepPlan
-from sampler.state import (
+from sampler.slot_params import (
     FREQUENCY,
     LOG_MIN_P,
     MIN_TOKENS,
@@ -43,8 +43,8 @@ from sampler.state import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    SamplerState,
 )
+from sampler.state import SamplerState
 
 RAW_LOGPROBS = MODE_CODES["raw_logprobs"]
 RAW_LOGITS = MODE_CODES["raw_logits"]

@@ -24,27 +24,20 @@ import torch
 
 from sampler.ops.bad_words import PAD_ANY
 from sampler.params import SamplingParams
-from sampler.slot_params import (  # noqa: F401 - the column names, read by the pipelines
+from sampler.slot_params import (
     FREQUENCY,
     HAS_ALLOWED,
     IS_GREEDY,
-    LOG_MIN_P,
-    MIN_TOKENS,
-    MODE,
-    MODE_CODES,
     NEUTRAL_F,
     NEUTRAL_I,
-    NUM_LOGPROBS,
     PRESENCE,
     REPETITION,
     SAMPLE_INDEX,
     SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
     SlotParams,
     slot_params,
 )
+
 
 @dataclass(slots=True)
 class _Staged:

@@ -13,19 +13,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from sampler.ops.logprobs import OFF
-from sampler.state import (
+from sampler.slot_params import (
     HAS_ALLOWED,
-    MODE_CODES,
     IS_GREEDY,
     LOG_MIN_P,
     MIN_TOKENS,
     MODE,
+    MODE_CODES,
     NUM_LOGPROBS,
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    SamplerState,
 )
+from sampler.state import SamplerState
 
 # logprobs modes computed from the raw logits (their top-k needs no processed values)
 RAW_FAMILY = tuple(MODE_CODES[m] for m in ("raw_logprobs", "raw_logits", "temperature_logprobs"))

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from sampler.kernels.kernel_config import placeholder
-from sampler.state import FREQUENCY, PRESENCE, REPETITION
+from sampler.slot_params import FREQUENCY, PRESENCE, REPETITION
 
 REP: tl.constexpr = tl.constexpr(REPETITION)
 FREQ: tl.constexpr = tl.constexpr(FREQUENCY)

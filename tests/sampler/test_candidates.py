@@ -13,7 +13,7 @@ import torch
 from sampler import Sampler, SamplingParams
 from sampler.backends import available_backends
 from sampler.pipeline import run_pipeline
-from sampler.state import HAS_ALLOWED, IS_GREEDY, MODE, NUM_LOGPROBS, TOP_K
+from sampler.slot_params import HAS_ALLOWED, IS_GREEDY, MODE, NUM_LOGPROBS, TOP_K
 
 from tests.sampler.test_triton_kernels import DEVICE, assert_same, make_batch, step_inputs
 

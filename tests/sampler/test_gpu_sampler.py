@@ -59,7 +59,7 @@ def test_triton_kept_sets_and_tokens_equal_torch_on_200_batches():
     Each new kernel specialisation compiles in seconds on the GPU and the batches need ~20:
     ``python -m tests.sampler.prewarm_gpu_kernels`` compiles them ahead in parallel."""
     from sampler.kernels.launcher import run_pipeline_triton
-    from sampler.state import TOP_P
+    from sampler.slot_params import TOP_P
 
     token_mismatch = exact_rows = boundary_rows = 0
     for b, sampler, slots, logits in kept_set_batches():
@@ -168,7 +168,7 @@ def test_flashinfer_logprobs_equal_torch_for_its_tokens():
     those same tokens."""
     from sampler.ops.logprobs import compute_logprob_outputs
     from sampler.pipeline import _raw_values
-    from sampler.state import MODE, MODE_CODES, NUM_LOGPROBS, TEMPERATURE
+    from sampler.slot_params import MODE, MODE_CODES, NUM_LOGPROBS, TEMPERATURE
 
     rows, vocab = 64, 151936
     rng = np.random.default_rng(3)

@@ -426,7 +426,7 @@ def test_processing_kernel_matches_torch_ops():
     ref = logits.clone()
     from sampler.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias,
                              apply_min_tokens, apply_penalties)
-    from sampler.state import FREQUENCY, MIN_TOKENS, PRESENCE, REPETITION
+    from sampler.slot_params import FREQUENCY, MIN_TOKENS, PRESENCE, REPETITION
 
     if only.do_allowed:
         apply_allowed_token_ids(ref, idx, state.has_allowed, state.allowed_mask)
