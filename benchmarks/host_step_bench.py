@@ -35,6 +35,19 @@ def _job_row_params():
     return module.row_params
 
 
+def _time_calls(owner, name: str, record) -> None:
+    """Wraps ``owner.name``: each call's seconds and arguments go to ``record``."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0, args)
+    setattr(owner, name, wrapper)
+
+
 def run(mix: str, batch: int, output_len: int, model: str) -> dict[str, float]:
     import torch
 
@@ -54,21 +67,10 @@ def run(mix: str, batch: int, output_len: int, model: str) -> dict[str, float]:
                            SamplingParams(max_tokens=output_len, ignore_eos=True,
                                           detokenize=False, **extra))
     times: dict[str, list[float]] = {"schedule": [], "prepare": [], "process": []}
-
-    def timed(owner, name: str, key: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                times[key].append(time.perf_counter() - t0)
-        setattr(owner, name, wrapper)
-
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.executor.runner, "prepare", "prepare")
-    timed(engine, "_process", "process")
+    for owner, name, key in ((engine.scheduler, "schedule", "schedule"),
+                             (engine.executor.runner, "prepare", "prepare"),
+                             (engine, "_process", "process")):
+        _time_calls(owner, name, lambda seconds, args, key=key: times[key].append(seconds))
     errors = []
     while engine.has_unfinished_requests():
         errors += [out.error for out in engine.step() if out.error is not None]
@@ -97,22 +99,13 @@ def run_waves(batch: int, output_len: int, model: str) -> dict[str, float]:
                             "enable_prefix_caching": False})
     step_s: dict[str, float] = {}
 
-    def timed(name: str) -> None:
-        inner = getattr(engine, name)
+    def admitted(seconds: float, args: tuple) -> None:  # a step's sequences, or one of them
+        step_s["_admit_to_sampler"] = step_s.get("_admit_to_sampler", 0.0) + seconds
+        step_s["admitted"] = step_s.get("admitted", 0) + (
+            len(args[0]) if isinstance(args[0], list) else 1)
 
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                step_s[name] = step_s.get(name, 0.0) + time.perf_counter() - t0
-                if name == "_admit_to_sampler":  # a step's sequences (or one of them)
-                    step_s["admitted"] = step_s.get("admitted", 0) + (
-                        len(args[0]) if isinstance(args[0], list) else 1)
-        setattr(engine, name, wrapper)
-
-    timed("_admit_to_sampler")
-    timed("_process")
+    _time_calls(engine, "_admit_to_sampler", admitted)
+    _time_calls(engine, "_process", lambda seconds, args: step_s.update(_process=seconds))
     for i in range(batch):
         engine.add_request(i, [(7 * i + j) % 400 + 10 for j in range(prompt_len)],
                            SamplingParams(max_tokens=output_len - i % 4, ignore_eos=True,
