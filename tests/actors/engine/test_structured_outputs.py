@@ -9,6 +9,7 @@ import re
 import pytest
 
 from sampler import SamplingParams
+from sampler.slot_params import MIN_TOKENS
 from tests.actors.helpers import by_id, make_engine, random_prompts
 from tests.actors.engine.structured_checks import (ARITHMETIC_GBNF, ARITHMETIC_LARK, DATE_REGEX,
                                             PERSON_SCHEMA, check_output, is_arithmetic,
@@ -235,3 +236,11 @@ def test_min_tokens_does_not_apply_to_constrained_rows(llama_engine):
                                                     min_tokens=10)) for i in range(3)])
     for out in outs:
         assert out.finish_reason == "stop" and out.output_text in ("ok", "no")
+    # nor in the sampler's rows of its slot (EOS would stay masked for 10 tokens there)
+    llama_engine.add_request("m", "Hi", _params({"regex": "[a-z]{1,30}"}, seed=1,
+                                                min_tokens=10))
+    llama_engine.step()  # the request is added (its params and rows without min_tokens)
+    request = llama_engine._requests["m"]
+    assert request.params.min_tokens == 0 and request.sampler_rows.i[MIN_TOKENS] == 0
+    while llama_engine.has_unfinished_requests():
+        llama_engine.step()
