@@ -81,3 +81,14 @@ def test_floors_only_measures_no_model(e2e_bench, tmp_path):
     assert "engine" not in r and "hf" not in r and r["compute_s"] > 0 and r["kv_read_s"] > 0
     saved = json.loads((tmp_path / "e2e_bench.json").read_text())
     assert saved["results"] == json.loads(json.dumps([r]))
+
+
+def test_repeat_runs_time_the_same_run_again_on_the_warm_engine(e2e_bench, tmp_path):
+    (r,) = e2e_bench.main(["--workloads", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
+                           "--skip-hf", "--max-batched-tokens", "64", "--repeat-runs", "2"])
+    runs = r["engine"]["repeat_runs"]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["elapsed_s"] > 0
+        assert run["output_tok_s"] == pytest.approx(
+            r["num_prompts"] * r["output_len"] / run["elapsed_s"])
