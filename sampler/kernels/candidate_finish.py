@@ -18,7 +18,7 @@ from sampler.kernels.kernel_config import REC_LSE_R, REC_LSE_T, REC_WIDTH
 from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.process import _processed, _row_processing
 from sampler.kernels.record import _record_row
-from sampler.kernels.reductions import _mode_value, _token_value
+from sampler.kernels.reductions import _mode_value, _sampled_value
 from sampler.kernels.select import _key_id, _key_value, _order_key, _top_p_within
 from sampler.ops.bad_words import PAD_ANY
 
@@ -244,15 +244,11 @@ def _cand_finish_kernel(
         return
     # ---------------------------------------------------------------- logprobs (raw family)
     if ANY_LP:
-        v_tok = float("nan")
-        rank = 0
-        if lp_on:
-            raw_tok, v_tok = _token_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
-                                          mode, T, lse_r, lse_t)
-            rank = 1
-            if raw_tok < m_r:
-                if not (list_on & (v_tok >= l_mv)):  # a larger value may be unlisted
-                    done = 2
+        raw_tok, v_tok, rank = _sampled_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
+                                              lp_on, mode, T, lse_r, lse_t)
+        if lp_on & (raw_tok < m_r):
+            if not (list_on & (v_tok >= l_mv)):  # a larger value may be unlisted
+                done = 2
         topk_ids = topk_id_ptr + row * KOUT
         topk_vals = topk_val_ptr + row * KOUT
         count = lp_on & (done == 1)  # the rank counted in the list

@@ -16,7 +16,7 @@ import triton.language as tl
 from sampler.kernels.process import _row_flags
 from sampler.kernels.record import _record_row
 from sampler.kernels.reductions import (_best, _kth_largest, _lse, _lse_pair, _online_lse,
-                                        _token_value)
+                                        _sampled_value)
 from sampler.kernels.tiles import _first_tiles, _next_tile
 
 # per-chunk partials (float32 fields)
@@ -268,12 +268,8 @@ def _greedy_finish(logits_ptr, stride_row, row, slot, V, W, fparams_ptr, stride_
                                                              NCHUNK, NCP2)
     tok = tl.where(best_v > NEG, best_i, 0)
     if ANY_LP:
-        v_tok = float("nan")
-        rank = 0
-        if lp_on:
-            _raw_tok, v_tok = _token_value(logits_ptr + row.to(tl.int64) * stride_row, tok,
-                                          mode, T, lse_r, lse_t)
-            rank = 1
+        _raw_tok, v_tok, rank = _sampled_value(logits_ptr + row.to(tl.int64) * stride_row,
+                                               tok, lp_on, mode, T, lse_r, lse_t)
         tl.store(lp_ptr + row, v_tok)
         tl.store(rank_ptr + row, rank.to(tl.int64))
     tl.store(tok_ptr + row, tok.to(tl.int64))

@@ -20,7 +20,7 @@ from sampler.kernels.draw import _draw_result, _draw_then_verify, _gumbel_max_of
 from sampler.kernels.fused_selection import _select
 from sampler.kernels.noise import LANE0, LANE1, _row_key
 from sampler.kernels.record import _record_row
-from sampler.kernels.reductions import _best, _lse, _mode_value, _token_value
+from sampler.kernels.reductions import _best, _lse, _mode_value, _sampled_value
 from sampler.kernels.row_stats import _chunk_stats, _stats_range
 from sampler.kernels.select import _key_id, _key_value
 from sampler.kernels.token_bitmask_kernel import _mask_row
@@ -80,25 +80,21 @@ def _write_logprobs(
     list when it holds every larger value, else a counting pass) and the top-k list."""
     NEG = float("-inf")
     lane = tl.arange(0, R)
-    v_tok = float("nan")
-    rank = 0
-    if lp_on:
-        raw_tok, v_tok = _token_value(base, tok, mode, T, lse_r, lse_t)
-        rank = 1
-        if raw_tok < m_r:
-            if rk_on & ((m_r - raw_tok) < r_hi) & (raw_tok >= r_t0):
-                ii = tl.arange(0, CAP)
-                keys = tl.load(cand_r + ii, cache_modifier=".cg")
-                vals = _key_value(keys)
-                rank = 1 + tl.sum(((ii < r_n) & (vals > v_tok)).to(tl.int32), 0)
-            else:
-                acc_c = tl.zeros([R], dtype=tl.int32)
-                for start in range(0, V, BLOCK):
-                    offs = start + lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
-                    raw = tl.load(base + offs, mask=offs < V, other=NEG).to(tl.float32)
-                    mv = _mode_value(raw, mode, T, lse_r, lse_t)
-                    acc_c += tl.sum((mv > v_tok).to(tl.int32), 1)
-                rank = 1 + tl.sum(acc_c, 0)
+    raw_tok, v_tok, rank = _sampled_value(base, tok, lp_on, mode, T, lse_r, lse_t)
+    if lp_on & (raw_tok < m_r):
+        if rk_on & ((m_r - raw_tok) < r_hi) & (raw_tok >= r_t0):
+            ii = tl.arange(0, CAP)
+            keys = tl.load(cand_r + ii, cache_modifier=".cg")
+            vals = _key_value(keys)
+            rank = 1 + tl.sum(((ii < r_n) & (vals > v_tok)).to(tl.int32), 0)
+        else:
+            acc_c = tl.zeros([R], dtype=tl.int32)
+            for start in range(0, V, BLOCK):
+                offs = start + lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
+                raw = tl.load(base + offs, mask=offs < V, other=NEG).to(tl.float32)
+                mv = _mode_value(raw, mode, T, lse_r, lse_t)
+                acc_c += tl.sum((mv > v_tok).to(tl.int32), 1)
+            rank = 1 + tl.sum(acc_c, 0)
     tl.store(lp_ptr + row, v_tok)
     tl.store(rank_ptr + row, rank.to(tl.int64))
     ii = tl.arange(0, CAP)

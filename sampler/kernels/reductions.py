@@ -55,6 +55,20 @@ def _token_value(base, tok, mode, T, lse_r, lse_t):
 
 
 @triton.jit
+def _sampled_value(base, tok, lp_on, mode, T, lse_r, lse_t):
+    """The sampled token's (raw logit, raw-family logprobs value, rank so far) where its row
+    asks for logprobs (``lp_on``: rank 1 until larger values are counted), else (-inf, NaN,
+    0)."""
+    raw_tok = float("-inf")
+    v_tok = float("nan")
+    rank = 0
+    if lp_on:
+        raw_tok, v_tok = _token_value(base, tok, mode, T, lse_r, lse_t)
+        rank = 1
+    return raw_tok, v_tok, rank
+
+
+@triton.jit
 def _best(acc_v, acc_i):
     """Lane (value, index) accumulators -> the maximum and its lowest index (0 if none)."""
     best = tl.max(acc_v, 0)
