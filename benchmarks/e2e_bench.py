@@ -231,12 +231,13 @@ def frozen_heap():
         gc.unfreeze()
 
 
-def timed_run(engine, prompts: np.ndarray, params: list, tag: str):
+def timed_run(engine, prompts: np.ndarray, params: list, tag: str, steps: bool = True):
     """Seconds of one timed run of every prompt through ``engine`` (request ids ``tag`` +
-    the row; the row alone without a tag), with its StepTimer on CUDA (None on the CPU)."""
+    the row; the row alone without a tag), with its StepTimer on CUDA when ``steps`` (else
+    None)."""
     from actors.engine.step_timer import StepTimer
 
-    timer = StepTimer().attach(engine) if DEVICE == "cuda" else None
+    timer = StepTimer().attach(engine) if steps and DEVICE == "cuda" else None
     with frozen_heap():
         sync()
         t0 = time.perf_counter()
@@ -296,10 +297,8 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
     extra = {}
     for top_p in args.extra_top_p:  # the same engine, other sampling settings
         more = [p.replace(top_p=top_p) for p in params]
-        sync()
-        t1 = time.perf_counter()
-        engine.generate([(f"x{top_p}-{i}", prompts[i].tolist(), more[i]) for i in range(n)])
-        extra[str(top_p)] = n * out / (time.perf_counter() - t1)
+        again, _ = timed_run(engine, prompts, more, f"x{top_p}-", steps=False)
+        extra[str(top_p)] = n * out / again
     stats = {"elapsed_s": elapsed, "load_and_capture_s": load_s, **timing,
              "repeat_runs": repeats,
              "attention_backend": info["attention_backend"],

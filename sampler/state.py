@@ -164,8 +164,7 @@ class SamplerState:
                      sample_indices: list[int]) -> None:
         """Writes (validated) requests into their distinct ``slots``, one write a table for
         all of them; device tables follow at the flush."""
-        count = len(slots)
-        if count == 0:
+        if not slots:
             return
         self.version += 1
         index = np.asarray(slots, dtype=np.int64)
