@@ -16,7 +16,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from actors.engine import profiling
@@ -25,53 +24,18 @@ from actors.engine.cpu_threads import engine_cpu_threads
 from actors.engine.engine_config import EngineConfig
 from actors.engine.executor import InflightStep, StepExecutor
 from actors.engine.generation_output import GenerationOutput
+from actors.engine.intake import BuiltRequests, RequestIntake
 from actors.engine.sequence import Request, Sequence
 from actors.engine.sleep import SleepController
+from actors.engine.step_counters import StepCounters
 from actors.engine.structured import StructuredOutputs
-from actors.engine.weights import WeightLoader
+from actors.engine.warm_up import warm_up_requests
+from actors.engine.weights import WeightLoader, WeightPayload, as_tensor_pairs
 from sampler.seeding import sample_seed
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BuiltRequests", "Engine", "EngineConfig", "StepCounters"]
-
-
-@dataclass(slots=True)
-class BuiltRequests:
-    """Requests validated and tokenized ahead of ``Engine.add_requests`` (``build_requests``):
-    queue items, one per request."""
-
-    items: list[tuple]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-
-@dataclass(slots=True)
-class StepCounters:
-    """Running totals of ``Engine.step()`` calls (a few clock reads a step): ``steps`` that
-    launched work, seconds inside ``step()`` (``busy_s``) and, of those, seconds blocked on
-    the device for the previous step's results (``device_wait_s``), and the CPU time the
-    stepping thread got outside those waits (``cpu_s``, ``time.thread_time``). Differences of
-    two snapshots describe a stretch of work: host time per step is ``(busy_s -
-    device_wait_s) / steps``; a host that keeps ahead of the device shows most of ``busy_s``
-    as waiting; host time well above ``cpu_s`` is time the thread was runnable but not
-    running (another thread holding the GIL, or no free core). ``seqs``: the sequences those
-    steps ran, summed (``seqs / steps`` is the mean batch: how full the engine was)."""
-
-    steps: int = 0
-    busy_s: float = 0.0
-    device_wait_s: float = 0.0
-    cpu_s: float = 0.0
-    seqs: int = 0
-
-    def snapshot(self) -> "StepCounters":
-        return StepCounters(self.steps, self.busy_s, self.device_wait_s, self.cpu_s, self.seqs)
-
-    def since(self, before: "StepCounters") -> "StepCounters":
-        return StepCounters(self.steps - before.steps, self.busy_s - before.busy_s,
-                            self.device_wait_s - before.device_wait_s, self.cpu_s - before.cpu_s,
-                            self.seqs - before.seqs)
 
 
 class Engine:
@@ -124,8 +88,7 @@ class Engine:
         self._requests: dict[Any, Request] = {}
         self._inflight: InflightStep | None = None
         self._ready: list[GenerationOutput] = []
-        self._inbox: list[tuple] = []  # ("add" | "built" | "reject" | "abort", id, ...)
-        self._inbox_lock = threading.Lock()
+        self.intake = RequestIntake(self.inputs, self.sampler)
         self._step_lock = threading.RLock()
         self._arrivals = itertools.count()
         self.weights = WeightLoader(self.loaded.model, parts.shard_slices)
@@ -140,8 +103,7 @@ class Engine:
         comes back from ``step()`` as one ``finish_reason="error"`` output per sample).
         ``token_logprobs`` also records each sampled token's ``raw_logprobs`` and
         ``temperature_logprobs`` (``GenerationOutput`` attributes of those names)."""
-        with self._inbox_lock:
-            self._inbox.append(("add", request_id, prompt, params, bool(token_logprobs)))
+        self.intake.put(("add", request_id, prompt, params, bool(token_logprobs)))
 
     def build_requests(self, requests: Iterable[tuple[Any, Any, Any]], *,
                        token_logprobs: bool = False) -> BuiltRequests:
@@ -150,8 +112,7 @@ class Engine:
         requests come back from ``step()`` as error outputs, as with ``add_request``). The
         stepping thread then only queues them: an engine server builds the next batch on the
         thread that hands it in, while the engine still runs the previous one."""
-        return BuiltRequests([self._build(rid, prompt, params, token_logprobs)
-                              for rid, prompt, params in requests])
+        return self.intake.build_all(requests, token_logprobs=token_logprobs)
 
     def add_requests(self, requests: Iterable[tuple[Any, Any, Any]] | BuiltRequests, *,
                      fresh_prefix_cache: bool = False) -> None:
@@ -161,58 +122,29 @@ class Engine:
         (waiting for a running step); called while no request is unfinished, it makes the
         batch's schedule, and so its results, depend on the batch alone and not on what ran
         before it."""
-        if isinstance(requests, BuiltRequests):
-            items = requests.items
-        else:
-            items = [("add", rid, prompt, params) for rid, prompt, params in requests]
         if fresh_prefix_cache:
             with self._step_lock:
                 self.scheduler.bm.reset_prefix_cache()
-        with self._inbox_lock:
-            self._inbox.extend(items)
+        self.intake.extend(requests)
 
     def abort_request(self, request_id: Any) -> None:
         """Stops a request; its samples come back from ``step()`` with finish_reason "abort"
         (thread-safe; unknown or finished ids are ignored)."""
-        with self._inbox_lock:
-            self._inbox.append(("abort", request_id, None, None))
+        self.intake.put(("abort", request_id, None, None))
 
     def has_unfinished_requests(self) -> bool:
-        with self._inbox_lock:
-            queued = bool(self._inbox)
-        return queued or bool(self._requests or self._ready or self._inflight is not None)
+        return (self.intake.pending()
+                or bool(self._requests or self._ready or self._inflight is not None))
 
-    def _drain_inbox(self) -> None:
-        with self._inbox_lock:
-            inbox, self._inbox = self._inbox, []
-        for item in inbox:
+    def _take_intake(self) -> None:
+        for item in self.intake.take():
             kind = item[0]
-            if kind == "add":
-                item = self._build(*item[1:])
-                kind = item[0]
             if kind == "built":
                 self._add(item[2])
             elif kind == "reject":
                 self._reject(*item[1:])
             else:
                 self._abort(item[1])
-
-    def _build(self, request_id: Any, prompt: Any, params: Any,
-               token_logprobs: bool = False) -> tuple:
-        """("built", id, Request) or ("reject", id, params, reason); any thread."""
-        try:
-            hash(request_id)
-        except TypeError:
-            return ("reject", request_id, params, f"request id {request_id!r:.80} is not hashable")
-        try:
-            request = self.inputs.build(request_id, prompt, params, -1)
-            request.sampler_rows = self.sampler.prepare(request.params,
-                                                        request.bad_words_token_ids)
-        except Exception as exc:  # noqa: BLE001 - any bad data fails only this request
-            logger.debug("request %r rejected: %s", request_id, exc)
-            return ("reject", request_id, params, str(exc))
-        request.token_logprobs = token_logprobs
-        return ("built", request_id, request)
 
     def _add(self, request: Request) -> None:
         request_id = request.request_id
@@ -267,12 +199,7 @@ class Engine:
             if not seq.is_finished:
                 self.outputs.abort(seq)
                 self._ready.append(self._finish(seq))
-        for j in range(len(request.sequences), request.params.n):  # never forked
-            self._ready.append(GenerationOutput(
-                id=request_id, sample_index=j, finish_reason="abort",
-                output_text="" if request.params.detokenize else None,
-                num_prompt_tokens=request.num_prompt_tokens,
-                seed=sample_seed(request.seed, j)))
+        self._ready += self.outputs.unforked_abort_outputs(request)
         self._requests.pop(request_id, None)
 
     def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
@@ -304,7 +231,7 @@ class Engine:
                 raise RuntimeError(self._blocked)
             if self.replica is not None:
                 self.replica.check_alive()
-            self._drain_inbox()
+            self._take_intake()
             if self._compiling:
                 self._check_compiled()
             sched = self.scheduler.schedule()
@@ -402,21 +329,9 @@ class Engine:
         sampled-token logprob), so the first real batch does not pay for compiling or
         loading kernels, nor for growing the host buffers and pools to its size; then forgets
         their prefix cache. Returns the seconds it took."""
-        from sampler import SamplingParams
-
         started = time.perf_counter()
-        vocab = self.loaded.vocab_size
-        common = dict(max_tokens=8, ignore_eos=True, detokenize=False)
-        kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=1),
-                 dict(temperature=1.0, top_k=50),
-                 dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2),
-                 dict(temperature=1.0, logprobs=min(20, self.config.max_logprobs)),
-                 dict(temperature=0.0, logprobs=0)]
-        kinds = [SamplingParams(**kind, **common) for kind in kinds]
-        requests = [(f"__warm_up__.{i}", [(97 * i + 13 * j + 5) % vocab for j in range(16)],
-                     kinds[i % len(kinds)])
-                    for i in range(max(len(kinds), self.config.max_num_seqs))]
-        self.generate(requests)
+        self.generate(warm_up_requests(self.loaded.vocab_size, self.config.max_num_seqs,
+                                       self.config.max_logprobs))
         self.reset_prefix_cache()
         return time.perf_counter() - started
 
@@ -437,13 +352,10 @@ class Engine:
             try:
                 if self.replica is None:
                     return self.weights.load(weights)
-                from actors.engine.parallel.worker import send_weights
-                from actors.engine.weights import WeightPayload, as_tensor_pairs
-
                 items = as_tensor_pairs(weights)  # full tensors: every rank takes its slice
                 whole = isinstance(weights, (Mapping, WeightPayload))  # all or nothing
                 stats = self.weights.load(weights if whole else items)  # checked on rank 0
-                send_weights(self.replica.comm, items)
+                self.replica.send_weights(items)
                 return stats
             finally:  # also after a partial (iterator) update that failed midway
                 self.scheduler.bm.reset_prefix_cache()
@@ -457,9 +369,7 @@ class Engine:
             self._quiesce("sleep")
             freed = self.memory.sleep(level)
             if self.replica is not None:
-                from actors.engine.parallel.comm import OP_SLEEP
-
-                self.replica.comm.send_header(OP_SLEEP, level)
+                self.replica.sleep(level)
             self.scheduler.bm.reset_prefix_cache()
             self._blocked = self.memory.blocked_reason()
             return freed
@@ -470,10 +380,7 @@ class Engine:
         with self._step_lock:
             self.memory.wake_up(tags)
             if self.replica is not None:
-                from actors.engine.parallel.comm import OP_WAKE
-                from actors.engine.parallel.worker import wake_mask
-
-                self.replica.comm.send_header(OP_WAKE, wake_mask(tags))
+                self.replica.wake_up(tags)
             self._blocked = self.memory.blocked_reason()
 
     def close(self) -> None:
@@ -494,9 +401,7 @@ class Engine:
 
     def _quiesce(self, what: str) -> None:
         """Raises unless no request is unfinished; reads back a step still in flight."""
-        with self._inbox_lock:
-            queued = bool(self._inbox)
-        if queued or self._requests:
+        if self.intake.pending() or self._requests:
             raise RuntimeError(f"{what}: the engine has unfinished requests; wait for them or "
                                "abort them first")
         while self._inflight is not None:
@@ -517,14 +422,7 @@ class Engine:
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "enable_prefix_caching": self.config.enable_prefix_caching,
-            "attention_backend": self.executor.runner.backend.name,
-            "cuda_graphs": self.executor.runner.graphs is not None,
-            "fused_layers": (None if self.executor.runner.fused is None
-                             else self.executor.runner.fused.describe()),
-            "fused_projections": (None if self.executor.runner.projections is None
-                                  else self.executor.runner.projections.describe()),
-            "fused_moe": (None if self.executor.runner.moe is None
-                          else self.executor.runner.moe.describe()),
+            **self.executor.runner.describe(),
             "sleep_level": self.memory.level,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "quantization": self.loaded.quantization,

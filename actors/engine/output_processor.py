@@ -246,6 +246,15 @@ class OutputProcessor:
             for j in range(max(1, n))
         ]
 
+    @staticmethod
+    def unforked_abort_outputs(request: Request) -> list[GenerationOutput]:
+        """One "abort" row per sample of an aborted request that had not been forked yet."""
+        return [GenerationOutput(id=request.request_id, sample_index=j, finish_reason="abort",
+                                 output_text="" if request.params.detokenize else None,
+                                 num_prompt_tokens=request.num_prompt_tokens,
+                                 seed=sample_seed(request.seed, j))
+                for j in range(len(request.sequences), request.params.n)]
+
     def record_prompt_logprobs(self, request: Request, positions: np.ndarray,
                                values: np.ndarray, top_ids: np.ndarray | None,
                                top_values: np.ndarray | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,6 +93,17 @@ class ModelRunner:
         self.backend = backend
         if hasattr(backend, "upload"):
             backend.upload = self.staging.upload
+
+    def describe(self) -> dict[str, Any]:
+        """How the model runs: attention backend, CUDA graphs, and each fused path's own
+        description (None where it is not installed)."""
+        def described(part: Any) -> dict[str, Any] | None:
+            return None if part is None else part.describe()
+
+        return {"attention_backend": self.backend.name, "cuda_graphs": self.graphs is not None,
+                "fused_layers": described(self.fused),
+                "fused_projections": described(self.projections),
+                "fused_moe": described(self.moe)}
 
     # ------------------------------------------------------------------ host side
     def prepare(self, sched: SchedulerOutput, inflight: list[Sequence] | None = None

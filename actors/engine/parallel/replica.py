@@ -12,9 +12,10 @@ import logging
 import weakref
 from typing import Any
 
-from actors.engine.parallel.comm import OP_SHUTDOWN, TPComm
+from actors.engine.parallel.comm import OP_SHUTDOWN, OP_SLEEP, OP_WAKE, TPComm
 from actors.engine.parallel.processes import ProcessRanks
 from actors.engine.parallel.rank_actors import ActorRanks, current_group
+from actors.engine.parallel.worker import send_weights, wake_mask
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,19 @@ class Replica:
     def check_alive(self) -> None:
         """Raises ``RuntimeError`` when another rank has ended (the replica is broken)."""
         self.ranks.check_alive()
+
+    def send_weights(self, items: list[tuple[str, Any]]) -> None:
+        """Sends full (unsharded) ``(name, tensor)`` pairs; every rank loads its slice."""
+        send_weights(self.comm, items)
+
+    def sleep(self, level: int) -> None:
+        """Tells the other ranks to free their KV cache (level 1) and weights (level 2)."""
+        self.comm.send_header(OP_SLEEP, level)
+
+    def wake_up(self, tags: Any) -> None:
+        """Tells the other ranks to re-allocate what ``sleep`` freed (``tags``: as in
+        ``Engine.wake_up``)."""
+        self.comm.send_header(OP_WAKE, wake_mask(tags))
 
     def close(self) -> None:
         """Stops the other ranks and leaves the process group (idempotent)."""
