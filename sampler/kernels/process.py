@@ -56,15 +56,21 @@ def _processed(
         if row_pen:
             words = tl.load(pbits_ptr + slot * W + offs // 32, mask=vmask, other=0)
             touched = ((words >> (offs % 32)) & 1) != 0
-            # masked loads: only the touched tokens' table entries are read
-            inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
-            cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
-            seen_out = cnt > 0
-            pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
-            x = tl.where(inp | seen_out, pen, x)
-            x = x - freq * cnt.to(tl.float32)
-            x = x - pres * seen_out.to(tl.float32)
+            x = _penalized(x, offs, touched, slot, V, pmask_ptr, counts_ptr, rep, freq, pres)
     return x
+
+
+@triton.jit
+def _penalized(x, offs, touched, slot, V, pmask_ptr, counts_ptr, rep, freq, pres):
+    """Step 6, the penalties, on a tile whose ``touched`` tokens (in the prompt or the output
+    so far) are those its row's tables may mark: only their table entries are read."""
+    inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
+    cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
+    seen_out = cnt > 0
+    pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+    x = tl.where(inp | seen_out, pen, x)
+    x = x - freq * cnt.to(tl.float32)
+    return x - pres * seen_out.to(tl.float32)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton.language as tl
 from sampler.kernels.draw import _draw_tile_lazy
 from sampler.kernels.process import _row_processing
 from sampler.kernels.reductions import _best, _lse_pair, _online_lse
-from sampler.kernels.tiles import _first_tiles, _next_tile, _processed_at, _tile_of
+from sampler.kernels.tiles import _first_tiles, _next_tile, _processed_lanes, _tile_of
 from sampler.kernels.token_bitmask_kernel import _mask_row
 
 
@@ -110,11 +110,11 @@ def _lane_argmax(
         raw = kept.to(tl.float32)
     else:
         raw = tl.load(base + offs, mask=offs < lim, other=float("-inf")).to(tl.float32)
-    _m, x = _processed_at(
-        raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
-        row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
+    _m, x = _processed_lanes(
+        raw, tile_start + lane * VEC, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr,
+        counts_ptr, rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+        NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     j = tl.min(tl.where(x == best[:, None], col[None, :], VEC - 1), 1)
     return tile_start + lane * VEC + j
 

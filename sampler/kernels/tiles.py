@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.process import _processed
+from sampler.kernels.process import _penalized, _processed
+from sampler.kernels.token_bitmask_kernel import _bitmask_lanes, _lane_bits
 
 
 @triton.jit
@@ -65,33 +66,43 @@ def _tile_of(
     values need no mask of their own."""
     offs = start + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     raw = loaded.to(tl.float32)
-    vmask, x = _processed_at(
-        raw, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres,
-        row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
-        ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
+    vmask, x = _processed_lanes(
+        raw, start + tl.arange(0, R) * VEC, offs, lim, row, slot, V, W, pbits_ptr, pmask_ptr,
+        counts_ptr, rep, freq, pres, row_pen, bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr,
+        NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
+        VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
     return offs, vmask, raw, x
 
 
 @triton.jit
-def _processed_at(
-    raw, offs, lim, row, slot, V, W,
+def _processed_lanes(
+    raw, first, offs, lim, row, slot, V, W,
     pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
     bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
     ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
-    HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
+    VEC: tl.constexpr, HAS_PEN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STOP: tl.constexpr,
     HAS_BAN: tl.constexpr, HAS_ALLOWED: tl.constexpr, HAS_GRAMMAR: tl.constexpr,
 ):
-    """(mask ``offs < lim``, processed values, -inf past ``lim``) of raw fp32 logits at
-    ``offs`` that already hold -inf past ``lim``."""
+    """(mask ``offs < lim``, processed values, -inf past ``lim``) of the raw fp32 logits of
+    an ``[R, VEC]`` tile (-inf past ``lim`` already) whose lane ``r`` holds the tokens from
+    ``first[r]`` (a multiple of VEC). The packed bits of the grammar mask (step 2, first) and
+    of the penalties' touched tokens (step 6, last) are read a word a lane
+    (:func:`_lane_bits`); the steps between by :func:`_processed`."""
     vmask = offs < lim
+    x = raw
+    if HAS_GRAMMAR:
+        x = _bitmask_lanes(x, first, lim, gbits_ptr, mrow, GW, VEC)
     x = _processed(
-        raw, offs, vmask, row, slot, V, W,
+        x, offs, vmask, row, slot, V, W,
         pbits_ptr, pmask_ptr, counts_ptr, rep, freq, pres, row_pen,
         bias_ids_ptr, bias_vals_ptr, NBIAS, stop_ids_ptr, NSTOP, min_tok_active,
         ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
-        HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR,
+        False, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, False,
     )
+    if HAS_PEN:
+        if row_pen:
+            touched = _lane_bits(pbits_ptr + slot * W, first, lim, VEC) & vmask
+            x = _penalized(x, offs, touched, slot, V, pmask_ptr, counts_ptr, rep, freq, pres)
     if HAS_PEN | HAS_BIAS | HAS_STOP | HAS_BAN | HAS_ALLOWED | HAS_GRAMMAR:
         x = tl.where(vmask, x, float("-inf"))
     return vmask, x

@@ -1,9 +1,11 @@
 """Grammar masks in Triton: a tile of logits loses the tokens its row's packed bitmask clears.
 
 Tile function :func:`_bitmask_tile` is what a kernel that reads a row's logits calls on each
-tile (under its ``HAS_MASK`` constexpr, so steps without constrained rows compile it out):
+tile (under its ``HAS_GRAMMAR`` constexpr, so steps without constrained rows compile it out):
 it reads one int32 word per 32 tokens (1/32 of the logits' bytes) and turns every token
-whose bit is 0 into -inf. :func:`apply_token_bitmask_triton` is the standalone op with the
+whose bit is 0 into -inf. :func:`_bitmask_lanes` does the same on ``[R, VEC]`` tiles with
+one word load a lane instead of one a token (:func:`_lane_bits`, also the penalties' touched
+tokens). :func:`apply_token_bitmask_triton` is the standalone op with the
 signature of :func:`sampler.ops.token_bitmask.apply_token_bitmask`, its torch oracle.
 """
 
@@ -23,6 +25,29 @@ def _bitmask_tile(x, offs, vmask, bits_ptr, mrow, W):
         words = tl.load(bits_ptr + mrow.to(tl.int64) * W + offs // 32,
                         mask=vmask & (offs < W * 32), other=0)
         allowed = ((words >> (offs % 32)) & 1) != 0
+        x = tl.where(allowed, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _lane_bits(bits_row_ptr, first, lim, VEC: tl.constexpr):
+    """The bits of a packed bitmask row (int32 words, bit ``t & 31`` of word ``t >> 5`` for
+    token ``t``) for an ``[R, VEC]`` tile whose lane ``r`` holds the ``VEC`` tokens from
+    ``first[r]`` (``[R]``, each a multiple of ``VEC``; VEC divides 32, so a lane's tokens lie
+    in one word): one word is read a lane, not a token. Lanes from ``lim`` on read no word
+    (all their bits are 0)."""
+    tl.static_assert(32 % VEC == 0, "a lane's tokens must lie in one 32-bit word")
+    words = tl.load(bits_row_ptr + first // 32, mask=first < lim, other=0)
+    shift = (first % 32)[:, None] + tl.arange(0, VEC)[None, :]
+    return ((words[:, None] >> shift) & 1) != 0
+
+
+@triton.jit
+def _bitmask_lanes(x, first, lim, bits_ptr, mrow, W, VEC: tl.constexpr):
+    """:func:`_bitmask_tile` of an ``[R, VEC]`` tile of lanes from ``first`` (as
+    :func:`_lane_bits`)."""
+    if mrow >= 0:
+        allowed = _lane_bits(bits_ptr + mrow.to(tl.int64) * W, first, lim, VEC)
         x = tl.where(allowed, x, float("-inf"))
     return x
 
