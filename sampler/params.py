@@ -10,11 +10,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
+from sampler.param_fields import (as_bool, as_float, as_int, as_int_list, as_str_list,
+                                  check_logprobs, field_error)
 from sampler.structured_params import StructuredOutputsParams
 
 LogprobsMode = Literal[
@@ -33,72 +34,6 @@ _SEED_MAX = 2**63 - 1
 _REJECTED_FIELDS = {
     "best_of": "best_of is not supported: ask for n samples and rank them yourself",
 }
-
-
-def _fail(name: str, rule: str, value: Any) -> ValueError:
-    return ValueError(f"sampling_params.{name}: {rule}, got {value!r}")
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise _fail(name, "must be an integer", value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        return _as_int(name, value.item())
-    raise _fail(name, "must be an integer", value)
-
-
-def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if type(value).__module__ == "numpy" and hasattr(value, "item"):
-            return _as_float(name, value.item())
-        raise _fail(name, "must be a number", value)
-    value = float(value)
-    if not math.isfinite(value):
-        raise _fail(name, "must be finite", value)
-    return value
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        return _as_bool(name, value.item())
-    raise _fail(name, "must be true or false", value)
-
-
-def _as_int_list(name: str, value: Any) -> list[int]:
-    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
-        raise _fail(name, "must be a list of integers", value)
-    out = [_as_int(name, v) for v in value]
-    for v in out:
-        if v < 0:
-            raise _fail(name, "token ids must be >= 0", v)
-    return out
-
-
-def _as_str_list(name: str, value: Any) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if isinstance(value, (bytes, Mapping)) or not hasattr(value, "__iter__"):
-        raise _fail(name, "must be a string or a list of strings", value)
-    out = list(value)
-    for v in out:
-        if not isinstance(v, str) or not v:
-            raise _fail(name, "every entry must be a non-empty string", v)
-    return out
-
-
-def _check_logprobs(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    value = _as_int(name, value)
-    if value < -1:
-        raise _fail(name, "must be None, -1 (whole vocab) or >= 0", value)
-    return value
 
 
 @dataclass(slots=True)
@@ -160,60 +95,60 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        self.n = _as_int("n", self.n)
+        self.n = as_int("n", self.n)
         if self.n < 1:
-            raise _fail("n", "must be >= 1", self.n)
+            raise field_error("n", "must be >= 1", self.n)
 
-        self.temperature = _as_float("temperature", self.temperature)
+        self.temperature = as_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise _fail("temperature", "must be >= 0", self.temperature)
+            raise field_error("temperature", "must be >= 0", self.temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
 
-        self.top_p = _as_float("top_p", self.top_p)
+        self.top_p = as_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise _fail("top_p", "must be in (0, 1]", self.top_p)
+            raise field_error("top_p", "must be in (0, 1]", self.top_p)
 
-        self.top_k = _as_int("top_k", self.top_k)
+        self.top_k = as_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise _fail("top_k", "must be -1, 0 (off) or >= 1", self.top_k)
+            raise field_error("top_k", "must be -1, 0 (off) or >= 1", self.top_k)
         if self.top_k == -1:
             self.top_k = 0
 
-        self.min_p = _as_float("min_p", self.min_p)
+        self.min_p = as_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise _fail("min_p", "must be in [0, 1]", self.min_p)
+            raise field_error("min_p", "must be in [0, 1]", self.min_p)
 
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _as_float(name, getattr(self, name))
+            value = as_float(name, getattr(self, name))
             if not -2 <= value <= 2:
-                raise _fail(name, "must be in [-2, 2]", value)
+                raise field_error(name, "must be in [-2, 2]", value)
             setattr(self, name, value)
-        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        self.repetition_penalty = as_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+            raise field_error("repetition_penalty", "must be > 0", self.repetition_penalty)
 
         if self.seed is not None:
-            self.seed = _as_int("seed", self.seed)
+            self.seed = as_int("seed", self.seed)
             if self.seed == -1:
                 self.seed = None
             elif not 0 <= self.seed <= _SEED_MAX:
-                raise _fail("seed", f"must be None, -1 or in [0, {_SEED_MAX}]", self.seed)
+                raise field_error("seed", f"must be None, -1 or in [0, {_SEED_MAX}]", self.seed)
 
         if self.max_tokens is not None:
-            self.max_tokens = _as_int("max_tokens", self.max_tokens)
+            self.max_tokens = as_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise _fail("max_tokens", "must be >= 1 or None", self.max_tokens)
-        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+                raise field_error("max_tokens", "must be >= 1 or None", self.max_tokens)
+        self.min_tokens = as_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise _fail("min_tokens", "must be >= 0", self.min_tokens)
+            raise field_error("min_tokens", "must be >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _fail(
+            raise field_error(
                 "min_tokens", f"must be <= max_tokens ({self.max_tokens})", self.min_tokens
             )
 
-        self.stop = _as_str_list("stop", self.stop if self.stop is not None else [])
-        ids = _as_int_list("stop_token_ids", self.stop_token_ids or [])
+        self.stop = as_str_list("stop", self.stop if self.stop is not None else [])
+        ids = as_int_list("stop_token_ids", self.stop_token_ids or [])
         self.stop_token_ids = list(dict.fromkeys(ids))
         for name in (
             "include_stop_str_in_output",
@@ -222,49 +157,49 @@ class SamplingParams:
             "skip_special_tokens",
             "spaces_between_special_tokens",
         ):
-            setattr(self, name, _as_bool(name, getattr(self, name)))
+            setattr(self, name, as_bool(name, getattr(self, name)))
         if self.stop and not self.detokenize:
-            raise _fail("stop", "stop strings need detokenize=True", self.stop)
+            raise field_error("stop", "stop strings need detokenize=True", self.stop)
 
-        self.logprobs = _check_logprobs("logprobs", self.logprobs)
-        self.prompt_logprobs = _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        self.logprobs = check_logprobs("logprobs", self.logprobs)
+        self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs)
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise _fail("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}",
+            raise field_error("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}",
                         self.logprobs_mode)
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
-                raise _fail("logit_bias", "must be a mapping token id -> bias", self.logit_bias)
+                raise field_error("logit_bias", "must be a mapping token id -> bias", self.logit_bias)
             bias: dict[int, float] = {}
             for key, value in self.logit_bias.items():
                 if isinstance(key, str):
                     try:
                         key = int(key)
                     except ValueError:
-                        raise _fail("logit_bias", "keys must be token ids", key) from None
-                key = _as_int("logit_bias", key)
+                        raise field_error("logit_bias", "keys must be token ids", key) from None
+                key = as_int("logit_bias", key)
                 if key < 0:
-                    raise _fail("logit_bias", "token ids must be >= 0", key)
-                bias[key] = _as_float("logit_bias", value)
+                    raise field_error("logit_bias", "token ids must be >= 0", key)
+                bias[key] = as_float("logit_bias", value)
             self.logit_bias = bias or None
 
         if self.allowed_token_ids is not None:
-            allowed = _as_int_list("allowed_token_ids", self.allowed_token_ids)
+            allowed = as_int_list("allowed_token_ids", self.allowed_token_ids)
             if not allowed:
-                raise _fail("allowed_token_ids", "must be None or a non-empty list", allowed)
+                raise field_error("allowed_token_ids", "must be None or a non-empty list", allowed)
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
-        self.bad_words = _as_str_list("bad_words", self.bad_words or [])
+        self.bad_words = as_str_list("bad_words", self.bad_words or [])
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     def with_seed(self, seed: Any) -> SamplingParams:
         """A copy with ``seed`` set, validated as the constructor validates it (-1: no seed)."""
-        seed = _as_int("seed", seed)
+        seed = as_int("seed", seed)
         if seed == -1:
             seed = None
         elif not 0 <= seed <= _SEED_MAX:
-            raise _fail("seed", f"must be None, -1 or in [0, {_SEED_MAX}]", seed)
+            raise field_error("seed", f"must be None, -1 or in [0, {_SEED_MAX}]", seed)
         params = copy.copy(self)
         params.seed = seed
         return params
@@ -308,16 +243,16 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             for tok in getattr(self, name) or ():
                 if tok >= vocab_size:
-                    raise _fail(name, f"token ids must be < vocab size {vocab_size}", tok)
+                    raise field_error(name, f"token ids must be < vocab size {vocab_size}", tok)
         for tok in self.logit_bias or ():
             if tok >= vocab_size:
-                raise _fail("logit_bias", f"token ids must be < vocab size {vocab_size}", tok)
+                raise field_error("logit_bias", f"token ids must be < vocab size {vocab_size}", tok)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > max_logprobs:
-                raise _fail(name, f"must be <= max_logprobs ({max_logprobs}) or -1", value)
+                raise field_error(name, f"must be <= max_logprobs ({max_logprobs}) or -1", value)
         if max_model_len is not None and self.min_tokens > max_model_len:
-            raise _fail("min_tokens", f"must be <= max_model_len ({max_model_len})",
+            raise field_error("min_tokens", f"must be <= max_model_len ({max_model_len})",
                         self.min_tokens)
 
     # ------------------------------------------------------------------ construction
