@@ -29,6 +29,7 @@ import torch
 
 from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
+from actors.engine.structured_masks import Masks, MaskBuffers
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
@@ -71,10 +72,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._executor = None
-        self._buffers: list[_Masks] = []
-        self._copy_stream: Any = None  # the masks' uploads (CUDA)
-        self._reading: _Masks | None = None  # the device masks a queued sampler is to read
-        self._turn = 0
+        self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
         self._ahead_of: Any = None  # ... after the step of this output
@@ -167,7 +165,7 @@ class StructuredOutputs:
         llguidance calls. The ahead fill uploads its masks itself, and notes where the
         grammars ended after the upload is queued."""
         self.settle()
-        self._mark_read()  # the sampler that reads the last step_mask's masks is queued
+        self.buffers.mark_read()  # the sampler that reads the last step_mask's masks is queued
         picked, rows = [], []
         for r, seq in enumerate(seqs):
             grammar = seq.grammar
@@ -189,7 +187,7 @@ class StructuredOutputs:
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
         matchers = [grammar.matcher for grammar in picked]
-        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self._buffer(),
+        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
                           matchers, list(zip(matchers, range(len(picked)))))
         self._ahead = self._ahead_pool.submit(self._advance, plan, output)
         self._ahead_of = output
@@ -218,7 +216,7 @@ class StructuredOutputs:
         if grammars:
             self._fill(targets, masks.host)
             if masks.dev is not None:
-                self._upload(masks, 0, len(plan.grammars))
+                self.buffers.upload(masks, 0, len(plan.grammars))
             SequenceGrammar.check_stopped(grammars)
         return _AheadFill(masks, plan.turn, len(plan.grammars))
 
@@ -235,14 +233,14 @@ class StructuredOutputs:
                 (called only when a row filled here still waits for its last token).
         """
         self.settle()
-        self._mark_read()
+        self.buffers.mark_read()
         done, self._done = self._done, None
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return None
         if done is None:  # every row is filled here, in order
             base, source, here = 0, None, [seqs[r] for r in rows]
-            masks = self._buffer()
+            masks = self.buffers.take()
         else:
             turn, base, masks = done.turn, done.count, done.masks
             source, here = [], []
@@ -261,36 +259,12 @@ class StructuredOutputs:
         if here:
             self._fill_here(here, prev_tokens, masks.host, base)
             if masks.dev is not None:
-                self._upload(masks, base, total)
-        if masks.dev is not None:
-            bits = masks.dev[:total]
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self._copy_stream)  # the sampler waits for the uploads
-            self._reading = masks  # and the buffer's next upload for it (_mark_read)
-        else:
-            bits = masks.host[:total].clone()
+                self.buffers.upload(masks, base, total)
+        bits = self.buffers.hand_over(masks, total)
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device, source=source)
-
-    def _mark_read(self) -> None:
-        """Records, on the current stream, that the sampler given the last ``step_mask``'s
-        device masks has been queued (called after it: by ``advance`` right after the
-        sampler's launch, or by the next ``step_mask``)."""
-        if self._reading is not None:
-            self._reading.used.record(torch.cuda.current_stream(self.device))
-            self._reading = None
-
-    def _upload(self, masks: "_Masks", lo: int, hi: int) -> None:
-        """Rows ``lo``-``hi`` of the pinned buffer copied to the device buffer on the copy
-        stream (from any thread), after the sampler that last read the device buffer; the
-        buffers' ``copied`` event marks the end of their latest copy."""
-        stream = self._copy_stream
-        with torch.cuda.stream(stream):
-            stream.wait_event(masks.used)
-            masks.dev[lo:hi].copy_(masks.host[lo:hi], non_blocking=True)
-            masks.copied.record(stream)
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:
@@ -355,28 +329,6 @@ class StructuredOutputs:
 
         llguidance.torch.fill_next_token_bitmask_par(self._fill_executor(), matchers, buf)
 
-    def _buffer(self) -> "_Masks":
-        """The buffers ``[rows, words]`` of a step's masks: on CUDA two pairs (pinned host,
-        device) taken in turn, a host buffer reused once its previous upload finished, a
-        device buffer once the sampler that read it did (``_upload``); on the CPU one host
-        buffer. A step may need a row for each of the previous step's rows (filled ahead)
-        and each of its new ones, so a buffer has twice the rows of a step."""
-        if not self._buffers:
-            cuda = self.device.type == "cuda"
-            if cuda:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            shape = (2 * self.max_num_seqs, self.words)
-            for _ in range(2 if cuda else 1):
-                host = torch.zeros(shape, dtype=torch.int32, pin_memory=cuda)
-                dev = torch.zeros(shape, dtype=torch.int32, device=self.device) if cuda else None
-                events = (torch.cuda.Event(), torch.cuda.Event()) if cuda else (None, None)
-                self._buffers.append(_Masks(host, dev, *events))
-        self._turn = (self._turn + 1) % len(self._buffers)
-        masks = self._buffers[self._turn]
-        if masks.copied is not None:
-            masks.copied.synchronize()
-        return masks
-
     def close(self) -> None:
         self.settle()
         if self._ahead_pool is not None:
@@ -385,17 +337,6 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-
-@dataclass(slots=True)
-class _Masks:
-    """A pinned host buffer of masks and its device buffer (None on the CPU), with the events
-    of the host buffer's latest copy and of the device buffer's latest reader."""
-
-    host: torch.Tensor
-    dev: torch.Tensor | None
-    copied: Any
-    used: Any
 
 
 @dataclass(slots=True)
@@ -408,7 +349,7 @@ class _AheadPlan:
     grammars: list
     rows: np.ndarray
     turn: int
-    masks: _Masks
+    masks: Masks
     matchers: list
     targets: list
 
@@ -417,7 +358,7 @@ class _AheadPlan:
 class _AheadFill:
     """Masks filled ahead: rows ``[0, count)`` of ``masks``, fill number ``turn``."""
 
-    masks: _Masks
+    masks: Masks
     turn: int
     count: int
 
