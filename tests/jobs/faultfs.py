@@ -18,6 +18,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -144,7 +145,13 @@ class TmpfsStorage:
 
     def fail(self, mode: str) -> None:
         if mode == "readonly":
-            subprocess.run(["mount", "-o", "remount,ro", str(self.mnt)], check=True)
+            # refused ("busy") while a file on it is open for writing: the job closes its
+            # files between writes, so the remount is retried until it lands
+            deadline = time.monotonic() + 10
+            while (done := _mount("-o", "remount,ro", str(self.mnt))).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cannot remount read-only: {done.stderr.strip()}")
+                time.sleep(0.002)
             return
         chunk = b"\0" * (64 << 10)
         with open(self.mnt / "ballast", "wb", buffering=0) as f:
