@@ -84,6 +84,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from cpu_speed import choose_cpus, cpus_allowed, probe_cpus  # noqa: E402
+from job_processes import actor_pids, child_env  # noqa: E402
 
 # model config name: (e2e_bench spec name, engine options). The KV pool is sized exactly
 # (every sequence at full length), so the bare engine and each actor get the same one.
@@ -318,104 +322,7 @@ def run_bare(args, work: Path, config_path: Path, repeat: int = 0) -> dict:
     return {**json.loads(result.read_text()), "tokens_file": str(tokens)}
 
 
-# ----------------------------------------------------------------------------- CPUs
-def _spin(n: int = 60_000) -> float:
-    """Seconds of a fixed pure-Python loop (dict, list and str work, like the engine's host
-    side)."""
-    t0 = time.perf_counter()
-    d: dict[int, str] = {}
-    out = []
-    for i in range(n):
-        d[i & 1023] = str(i)
-        out.append(len(d[i & 511]))
-    return time.perf_counter() - t0
-
-
-def probe_cpus(cpus: list[int] | None = None, rounds: int = 3) -> dict[int, float]:
-    """Milliseconds of :func:`_spin` on each allowed CPU, this thread pinned to it in turn
-    (the fastest of ``rounds``); the affinity is restored afterwards. On a shared virtual
-    machine the vCPUs differ in single-thread speed, and the engine's host side runs at the
-    speed of the one its thread lands on."""
-    allowed = sorted(os.sched_getaffinity(0))
-    out: dict[int, float] = {}
-    try:
-        for cpu in cpus if cpus is not None else allowed:
-            os.sched_setaffinity(0, {cpu})
-            out[cpu] = round(1e3 * min(_spin() for _ in range(rounds)), 2)
-    finally:
-        os.sched_setaffinity(0, allowed)
-    return out
-
-
-def choose_cpus(spec: str, speeds: dict[int, float]) -> list[int]:
-    """The CPUs of ``--cpus``: "fastest:N" (the N fastest of ``speeds``) or a list like
-    "0,2-3"."""
-    if spec.startswith("fastest:"):
-        n = int(spec.split(":", 1)[1])
-        if not 1 <= n <= len(speeds):
-            raise SystemExit(f"--cpus: fastest:N needs 1 <= N <= {len(speeds)}, got {n}")
-        return sorted(sorted(speeds, key=lambda c: (speeds[c], c))[:n])
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return sorted(cpus)
-
-
-def cpus_allowed(pid: int) -> str | None:
-    """A process's ``Cpus_allowed_list`` (None once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
-
-
 # ----------------------------------------------------------------------------- jobs via CLI
-def child_env(repo: Path = REPO) -> dict[str, str]:
-    """The environment of a ``raygen run`` child: ``repo``'s modules first on the path."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(repo)] + [p for p in env.get("PYTHONPATH", "")
-                                                      .split(os.pathsep) if p])
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid]
-        tree.extend(children)
-        frontier.extend(children)
-    return tree
-
-
-def _actor_pids(root: int) -> list[tuple[int, str]]:
-    """(pid, process title) of the GenerationActor workers below the job's process."""
-    out = []
-    for pid in _descendants(root):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-        except OSError:
-            continue
-        if title.startswith("ray::GenerationActor"):
-            out.append((pid, title))
-    return out
-
-
 def _committed(output: Path) -> dict:
     from jobs.manifest import read_manifest
 
@@ -452,7 +359,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
             print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
             if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
                 actor_events.append((now, m.group(1), "ready", -1))
-                for pid, _ in _actor_pids(proc.pid):
+                for pid, _ in actor_pids(proc.pid):
                     affinity.setdefault(pid, cpus_allowed(pid))
             elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
                 actor_events.append((now, m.group(2), "shard", int(m.group(1))))
@@ -467,7 +374,7 @@ def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
     if kill:
         while proc.poll() is None and not _committed(output):
             time.sleep(0.05)
-        actors = _actor_pids(proc.pid)
+        actors = actor_pids(proc.pid)
         busy = [a for a in actors if "process_shard" in a[1]] or actors
         if proc.poll() is None and busy:
             pid, title = busy[0]
