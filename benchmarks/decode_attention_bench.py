@@ -5,8 +5,7 @@ tensor-core decode and the KV read floor, on random pages in random order.
     python3 benchmarks/decode_attention_bench.py --shapes qwen2-0.5b --quick
 
 Per shape (rows, query / KV heads, head dim, context range; 16-token pages): each
-(keys a block, warps, stages, chunk) of the sweep, then the four fastest with each block's page
-ids read once, timed alone (CUDA events around 20 calls,
+(keys a block, warps, stages, chunk) of the sweep timed alone (CUDA events around 20 calls,
 median of 5), its output checked against the engine's tile; FlashInfer (when installed) on the
 same pages; the floor is the pages' bytes at the measured copy bandwidth.
 """
@@ -99,35 +98,28 @@ def sweep(name: str, quick: bool, tbps: float) -> dict:
     stages = (2, 3) if quick else (1, 2, 3)
     chunks = (512,) if quick else (512, 128)
     results = []
-
-    def run(block_n: int, nw: int, ns: int, chunk: int, once: bool) -> None:
+    for block_n, nw, ns, chunk in itertools.product(blocks, warps, stages, chunks):
+        if chunk < block_n:
+            continue
         splits = -(-hi // chunk)
 
         def call():
             return decode_attention(q, pages, indptr, indices, last, scale, chunk=chunk,
                                     max_splits=splits, block_n=block_n, num_warps=nw,
-                                    num_stages=ns, page_ids_once=once)
-        tile = f"{name} block {block_n} warps {nw} stages {ns} chunk {chunk} once {once:d}"
+                                    num_stages=ns)
         try:
             diff = (call().float() - ref.float()).abs().max().item()
             us = time_us(call)
         except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run (resources)
-            print(f"{tile}: {type(exc).__name__}", flush=True)
-            return
+            print(f"{name} {block_n}/{nw}/{ns}/{chunk}: {type(exc).__name__}", flush=True)
+            continue
         results.append({"block_n": block_n, "num_warps": nw, "num_stages": ns, "chunk": chunk,
-                        "splits": splits, "page_ids_once": once, "us": us,
-                        "max_abs_diff": diff})
-        print(f"{tile}: {us:.1f} us (diff {diff:.2e})", flush=True)
-
-    for block_n, nw, ns, chunk in itertools.product(blocks, warps, stages, chunks):
-        if chunk >= block_n:
-            run(block_n, nw, ns, chunk, False)
-    for r in sorted(results, key=lambda r: r["us"])[:4]:  # the fastest tiles, ids read once
-        run(r["block_n"], r["num_warps"], r["num_stages"], r["chunk"], True)
+                        "splits": splits, "us": us, "max_abs_diff": diff})
+        print(f"{name} block {block_n} warps {nw} stages {ns} chunk {chunk}: {us:.1f} us "
+              f"(diff {diff:.2e})", flush=True)
     best = min(results, key=lambda r: r["us"])
     engine = next(r for r in results if (r["block_n"], r["num_warps"], r["num_stages"],
-                                         r["chunk"], r["page_ids_once"])
-                  == (*ENGINE_TILE, 512, False))
+                                         r["chunk"]) == (*ENGINE_TILE, 512))
     fi = flashinfer_us(q, pages, indptr, indices, last, heads, kv_heads, dim, scale)
     summary = {"shape": dict(zip(("rows", "heads", "kv_heads", "head_dim", "min_context",
                                   "max_context"), SHAPES[name])),
@@ -135,7 +127,7 @@ def sweep(name: str, quick: bool, tbps: float) -> dict:
                "flashinfer_us": fi, "sweep": results}
     print(f"{name}: floor {floor_us:.1f} us, engine tile {engine['us']:.1f}, best "
           f"{best['us']:.1f} ({best['block_n']}/{best['num_warps']}/{best['num_stages']}/"
-          f"{best['chunk']}/{best['page_ids_once']:d}), FlashInfer {fi if fi is None else round(fi, 1)}", flush=True)
+          f"{best['chunk']}), FlashInfer {fi if fi is None else round(fi, 1)}", flush=True)
     return summary
 
 

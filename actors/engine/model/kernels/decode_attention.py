@@ -63,7 +63,7 @@ def _chunk_kernel(q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_ptr, out_ptr, par
                   page_stride, kv_stride, tok_stride,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                   BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-                  UPCAST: tl.constexpr, F16: tl.constexpr, PAGE_ONCE: tl.constexpr):
+                  UPCAST: tl.constexpr, F16: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -85,14 +85,7 @@ def _chunk_kernel(q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_ptr, out_ptr, par
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             valid = t < end
-            if PAGE_ONCE:  # the block's BLOCK_N // BS page ids, each read once
-                NP: tl.constexpr = BLOCK_N // BS
-                first = t0 // BS + tl.arange(0, NP)
-                ids = tl.load(indices_ptr + p0 + first, mask=first * BS < end, other=0)
-                page = tl.reshape(tl.broadcast_to(ids[:, None], (NP, BS)), (BLOCK_N,))
-                page = page.to(tl.int64)
-            else:
-                page = tl.load(indices_ptr + p0 + t // BS, mask=valid, other=0).to(tl.int64)
+            page = tl.load(indices_ptr + p0 + t // BS, mask=valid, other=0).to(tl.int64)
             row = page * page_stride + (t % BS) * tok_stride + h * D
             k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(kv_ptr + kv_stride + row[:, None] + d[None, :], mask=valid[:, None],
@@ -153,8 +146,7 @@ def _combine_kernel(indptr_ptr, last_ptr, out_ptr, part_ptr, ml_ptr, stride_ob, 
 def decode_attention(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                      chunk: int, max_splits: int, block_n: int = 64,
-                     num_warps: int = 2, num_stages: int = 2,
-                     page_ids_once: bool = False) -> torch.Tensor:
+                     num_warps: int = 2, num_stages: int = 2) -> torch.Tensor:
     """Attention of each row's query over its pages (see the module docstring).
 
     Args:
@@ -165,8 +157,6 @@ def decode_attention(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Ten
         chunk: positions per program (:func:`decode_chunk`).
         max_splits: chunks of the longest context allowed (the grid's third dimension: a fixed
             value keeps a CUDA graph's launch valid for any contexts up to it).
-        block_n, num_warps, num_stages: the tile (keys a block, a multiple of the page size).
-        page_ids_once: a block reads each of its page ids once (else once a key).
     Returns:
         ``[B, H, D]`` in the query's dtype.
     """
@@ -191,8 +181,7 @@ def decode_attention(query: torch.Tensor, pages: torch.Tensor, indptr: torch.Ten
         pages.stride(0), pages.stride(1), pages.stride(2),
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, BS=block_size,
         BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, UPCAST=interpreted(),
-        F16=pages.dtype == torch.float8_e4m3fn, PAGE_ONCE=page_ids_once, num_warps=num_warps,
-        num_stages=num_stages)
+        F16=pages.dtype == torch.float8_e4m3fn, num_warps=num_warps, num_stages=num_stages)
     if max_splits > 1:
         _combine_kernel[(num_rows, num_heads)](
             indptr, last_page_len, out, part, ml, out.stride(0), out.stride(1),

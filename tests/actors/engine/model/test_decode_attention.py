@@ -40,14 +40,13 @@ def _batch(lengths, heads, kv_heads, dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1), (4, 4)])
-@pytest.mark.parametrize("once", [False, True], ids=["id_a_key", "ids_once"])
-def test_equals_the_reference(dtype, heads, kv_heads, once):
+def test_equals_the_reference(dtype, heads, kv_heads):
     lengths = [1, 3, 4, 5, 16, 17, 40, 63]
     q, pool, indptr, indices, last = _batch(lengths, heads, kv_heads, 16, dtype)
     scale = 16 ** -0.5
     ref = decode_attention_reference(q, pool, indptr, indices, last, scale).float()
     out = decode_attention(q, pool, indptr, indices, last, scale, chunk=16, max_splits=4,
-                           block_n=16, page_ids_once=once)
+                           block_n=16)
     assert out.dtype == q.dtype and out.shape == q.shape
     # bf16 probabilities, values and output (as FlashInfer's kernels): a few bf16 steps
     tol = 1e-2 * max(1.0, ref.abs().max().item())
@@ -55,7 +54,7 @@ def test_equals_the_reference(dtype, heads, kv_heads, once):
     assert err < tol, (err, tol)
     # one chunk holds every context: no partials, the same function
     whole = decode_attention(q, pool, indptr, indices, last, scale, chunk=64, max_splits=1,
-                             block_n=16, page_ids_once=once)
+                             block_n=16)
     assert (whole.float() - ref).abs().max().item() < tol
 
 
