@@ -1,8 +1,9 @@
-"""Paged decode attention alone (GPU): the Triton kernel over its tiles against FlashInfer's
+"""Paged decode attention alone: the Triton kernel over its tiles against FlashInfer's
 tensor-core decode and the KV read floor, on random pages in random order.
 
-    python3 benchmarks/decode_attention_bench.py --out $OUT/attn            # both shapes
+    python3 benchmarks/decode_attention_bench.py --out $OUT/attn            # both shapes (GPU)
     python3 benchmarks/decode_attention_bench.py --shapes qwen2-0.5b --quick
+    TRITON_INTERPRET=1 python benchmarks/decode_attention_bench.py --shapes tiny --quick  # CPU
 
 Per shape (rows, query / KV heads, head dim, context range; 16-token pages): each
 (keys a block, warps, stages, chunk) of the sweep timed alone (CUDA events around 20 calls,
@@ -17,6 +18,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from actors.engine.model.kernels.decode_attention import decode_attention  # noq
 SHAPES = {  # rows, heads, kv heads, head dim, shortest and longest context
     "qwen2-0.5b": (1024, 14, 2, 64, 129, 256),
     "llama-3-8b": (512, 32, 8, 128, 257, 512),
+    "tiny": (4, 4, 2, 16, 20, 70),  # a smoke run (the CPU under TRITON_INTERPRET=1)
 }
 BLOCK_SIZE = 16
 ENGINE_TILE = (64, 2, 2)  # decode_attention's defaults: keys a block, warps, stages
@@ -49,7 +52,11 @@ def pages_of(rows: int, kv_heads: int, dim: int, lo: int, hi: int, dev: torch.de
 
 
 def time_us(fn, calls: int = 20, reps: int = 5) -> float:
+    """Microseconds a call: CUDA events around ``calls`` calls, the median of ``reps`` (the
+    host's clock on the CPU)."""
     fn()
+    if not torch.cuda.is_available():
+        return statistics.median(_host_us(fn) for _ in range(reps))
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -63,8 +70,14 @@ def time_us(fn, calls: int = 20, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def _host_us(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e6
+
+
 def copy_tbps(dev: torch.device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    src = torch.empty(1 << (30 if dev.type == "cuda" else 24), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), calls=10)
     return 2 * src.numel() / (us * 1e-6) / 1e12
@@ -75,6 +88,8 @@ def flashinfer_us(q, pages, indptr, indices, last, heads, kv_heads, dim, scale):
         import flashinfer
     except ImportError:
         return None
+    if not q.is_cuda:
+        return None
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True,
                                                             backend="fa2")
@@ -83,9 +98,13 @@ def flashinfer_us(q, pages, indptr, indices, last, heads, kv_heads, dim, scale):
     return time_us(lambda: wrapper.run(q, pages))
 
 
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def sweep(name: str, quick: bool, tbps: float) -> dict:
     rows, heads, kv_heads, dim, lo, hi = SHAPES[name]
-    dev = torch.device("cuda")
+    dev = _device()
     pages, indptr, indices, last, kv_bytes = pages_of(rows, kv_heads, dim, lo, hi, dev)
     q = torch.randn(rows, heads, dim, device=dev).to(torch.bfloat16)
     scale = dim ** -0.5
@@ -137,8 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="a small sweep")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
-    tbps = copy_tbps(torch.device("cuda"))
-    result = {"device": torch.cuda.get_device_name(), "copy_tbps": tbps,
+    dev = _device()
+    tbps = copy_tbps(dev)
+    result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+              "copy_tbps": tbps,
               "shapes": {name: sweep(name, args.quick, tbps) for name in args.shapes.split(",")}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
