@@ -1,6 +1,6 @@
 """Requests on their way into an engine: handed in from any thread, built (validated,
 tokenized, their sampler rows made) on the thread that hands them in or on the stepping
-thread, and queued until the next step takes them all at once.
+thread, and queued until a step takes them, in order (as many as its next admissions need).
 
 An item of the queue is ``("add", id, prompt, params, token_logprobs)`` (built when taken),
 ``("built", id, Request)``, ``("reject", id, params, reason)`` or ``("abort", id, None,
@@ -45,6 +45,7 @@ class RequestIntake:
         self.inputs = inputs
         self.sampler = sampler
         self._items: list[tuple] = []
+        self._aborts = 0  # aborts among the items
         self._lock = threading.Lock()
 
     def build(self, request_id: Any, prompt: Any, params: Any,
@@ -72,6 +73,7 @@ class RequestIntake:
     def put(self, item: tuple) -> None:
         with self._lock:
             self._items.append(item)
+            self._aborts += item[0] == "abort"
 
     def extend(self, requests: Iterable[tuple[Any, Any, Any]] | BuiltRequests) -> None:
         """Queues ``[(request_id, prompt, params)]`` (built when taken) or built requests,
@@ -87,9 +89,26 @@ class RequestIntake:
         with self._lock:
             return bool(self._items)
 
-    def take(self) -> list[tuple]:
-        """Everything queued, in order, the requests built ("built" / "reject" / "abort"
-        items); the queue is left empty."""
+    def take(self, limit: int | None = None) -> list[tuple]:
+        """Queued items in order, the requests built ("built" / "reject" / "abort" items):
+        all of them, or with ``limit`` the first ``limit`` requests with the aborts queued
+        before the next one, and in any case every item up to the last queued abort (an
+        abort never waits behind requests queued before it); the rest stay queued."""
         with self._lock:
-            items, self._items = self._items, []
-        return [self.build(*item[1:]) if item[0] == "add" else item for item in items]
+            items = self._items
+            cut = len(items)
+            if limit is not None:
+                requests = 0
+                for j, item in enumerate(items):
+                    if item[0] != "abort":
+                        if requests == limit:
+                            cut = j
+                            break
+                        requests += 1
+                if self._aborts:
+                    last = max(j for j, item in enumerate(items) if item[0] == "abort")
+                    cut = max(cut, last + 1)
+            taken, self._items = items[:cut], items[cut:]
+            if self._aborts:
+                self._aborts -= sum(1 for item in taken if item[0] == "abort")
+        return [self.build(*item[1:]) if item[0] == "add" else item for item in taken]

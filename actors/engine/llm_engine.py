@@ -35,6 +35,8 @@ from sampler.seeding import sample_seed
 
 logger = logging.getLogger(__name__)
 
+_INTAKE_CHUNK = 64  # requests built between two checks of the scheduler's admission room
+
 __all__ = ["BuiltRequests", "Engine", "EngineConfig", "StepCounters"]
 
 
@@ -137,14 +139,28 @@ class Engine:
                 or bool(self._requests or self._ready or self._inflight is not None))
 
     def _take_intake(self) -> None:
-        for item in self.intake.take():
-            kind = item[0]
-            if kind == "built":
-                self._add(item[2])
-            elif kind == "reject":
-                self._reject(*item[1:])
-            else:
-                self._abort(item[1])
+        """Adds queued requests, built in order, until the waiting queue can fill the next
+        step's admissions (``Scheduler.admission_room``); the rest stay queued. Called before
+        a step's schedule and after its launch, so a batch handed in at once is built while
+        the device runs, a step's worth at a time, not all of it before the first launch."""
+        if not self.intake.pending():
+            return
+        slots, tokens = self.scheduler.admission_room()
+        while True:  # with no room left, only what precedes a queued abort
+            items = self.intake.take(limit=_INTAKE_CHUNK if slots > 0 and tokens > 0 else 0)
+            if not items:
+                return
+            for item in items:
+                kind = item[0]
+                if kind == "built":
+                    request = item[2]
+                    self._add(request)
+                    slots -= request.params.n
+                    tokens -= request.num_prompt_tokens
+                elif kind == "reject":
+                    self._reject(*item[1:])
+                else:
+                    self._abort(item[1])
 
     def _add(self, request: Request) -> None:
         request_id = request.request_id
@@ -246,6 +262,7 @@ class Engine:
             if self._inflight is not None:
                 self._process(self._inflight)
             self._inflight = launched
+            self._take_intake()  # the next step's admissions, built while the device runs
             ready, self._ready = self._ready, []
             counters = self.counters
             if launched is not None:
@@ -317,7 +334,7 @@ class Engine:
             while True:
                 for out in self.step():
                     (mine if out.id in order else others).append(out)
-                if not any(rid in self._requests for rid in order):
+                if not (self.intake.pending() or any(rid in self._requests for rid in order)):
                     break
             self._ready = others + self._ready
         mine.sort(key=lambda o: (order[o.id], o.sample_index))

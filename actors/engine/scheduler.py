@@ -57,6 +57,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admission_room(self) -> tuple[int, int]:
+        """What the next step could admit beyond the waiting queue: the sampler slots no
+        waiting sequence claims and the token budget its prompts leave (either at or below
+        0: the waiting queue can fill the next step's admissions). With prefix caching a
+        prompt may be mostly cached, so only the slots bound it (the tokens are infinite)."""
+        slots = len(self.free_slots)
+        tokens = math.inf if self.bm.enable_prefix_caching else self.max_num_batched_tokens
+        for seq in self.waiting:
+            slots -= seq.fanout
+            tokens -= len(seq.token_ids) - seq.num_computed_tokens
+            if slots <= 0 or tokens <= 0:
+                break
+        return slots, tokens
+
     def is_generation_done(self, seq: Sequence) -> bool:
         """Whether the sequence already holds its last token (value possibly pending)."""
         return seq.num_tokens >= min(seq.max_num_tokens, self.max_model_len)

@@ -180,6 +180,36 @@ def test_requests_built_on_another_thread_run_as_queued_ones(tiny_llama):
     assert "already running" in errors["0"] and "not hashable" in errors["['unhashable']"]
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_large_batch_is_built_as_the_scheduler_can_admit_it(tiny_llama, prefix_caching):
+    """Requests handed in at once are built and added a step's worth at a time (not all
+    before the first launch), in order: every one finishes with the tokens it has alone, a
+    bad one deep in the queue comes back as its error, and generate() waits for all."""
+    params = SamplingParams(max_tokens=3, seed=0, ignore_eos=True)
+    batch = [(i, [5 + i % 50, 6, 7, 8], params.replace(seed=i)) for i in range(300)]
+    batch.insert(250, ("bad", [5, 99999], params))
+    options = dict(max_num_seqs=8, max_num_batched_tokens=64,
+                   enable_prefix_caching=prefix_caching)
+    engine = make_engine(tiny_llama, **options)
+    engine.add_requests(batch)
+    engine.step()
+    # before the first launch one chunk of requests was built; after it, none more (the
+    # waiting queue already fills the next step)
+    assert 0 < len(engine._requests) <= 64 and engine.intake.pending()
+    outs = drain(engine)
+    assert sorted(map(repr, (o.id for o in outs))) == sorted(repr(rid) for rid, _, _ in batch)
+    bad = [o for o in outs if o.id == "bad"]
+    assert bad[0].finish_reason == "error" and "99999" in bad[0].error
+    alone = make_engine(tiny_llama, **options).generate(batch[:5] + batch[-5:])
+    tokens = {o.id: o.output_token_ids for o in outs}
+    assert all(tokens[o.id] == o.output_token_ids for o in alone)
+
+    engine = make_engine(tiny_llama, **options)
+    got = engine.generate(batch)
+    assert [o.id for o in got] == [rid for rid, _, _ in batch]
+    assert not engine.has_unfinished_requests()
+
+
 def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.add_request("other", [5, 6], SamplingParams(max_tokens=2, seed=0, ignore_eos=True))
