@@ -29,5 +29,5 @@ def test_host_step_bench_waves_time_the_admissions_and_the_rows_ending(capsys):
     assert waves["admit_steps"] == 1  # 16 prompts of 128 tokens: one 32,768-token step
     assert waves["finish_steps"] == 4  # max_tokens 10, 9, 8, 7: four steps where rows end
     assert all(0 < waves[k] < 1e4 for k in ("admit_ms", "admit_us_per_seq", "finish_ms",
-                                            "finish_us_per_seq"))
+                                            "finish_us_per_seq", "first_launch_ms"))
     assert "waves  batch 16: admission" in capsys.readouterr().out
