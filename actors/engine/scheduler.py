@@ -60,11 +60,15 @@ class Scheduler:
     def admission_room(self) -> tuple[int, int]:
         """What the next step could admit beyond the waiting queue: the sampler slots no
         waiting sequence claims and the token budget its prompts leave (either at or below
-        0: the waiting queue can fill the next step's admissions). With prefix caching a
-        prompt may be mostly cached, so only the slots bound it (the tokens are infinite)."""
+        0: the waiting queue can fill the next step's admissions). A sequence whose
+        constraint still compiles does not count (admission passes it over). With prefix
+        caching a prompt may be mostly cached, so only the slots bound it (the tokens are
+        infinite)."""
         slots = len(self.free_slots)
         tokens = math.inf if self.bm.enable_prefix_caching else self.max_num_batched_tokens
         for seq in self.waiting:
+            if seq.request.grammar is not None and seq.request.is_compiling:
+                continue  # passed over until its constraint compiles (_admit)
             slots -= seq.fanout
             tokens -= len(seq.token_ids) - seq.num_computed_tokens
             if slots <= 0 or tokens <= 0:

@@ -171,3 +171,23 @@ def test_finish_all_removes_running_and_waiting_sequences_in_one_pass():
     assert all(q.status is SeqStatus.FINISHED and q.block_table == [] and q.slot == -1
                for q in (seqs[2], waiting, seqs[0]))
     assert s.bm.num_free_blocks == free_before + 4  # two pages each for the running two
+
+
+def test_admission_room_counts_what_the_waiting_queue_can_fill():
+    from concurrent.futures import Future
+
+    s = make(max_num_seqs=4, budget=16, caching=False)
+    assert s.admission_room() == (4, 16)
+    add(s, range(5))
+    add(s, range(3), n=2)
+    assert s.admission_room() == (1, 8)  # 3 slots and 8 tokens claimed
+    compiling = add(s, range(9))
+    compiling.request.grammar = Future()  # its constraint still compiles: passed over
+    assert s.admission_room() == (1, 8)
+    compiling.request.grammar.set_result(None)
+    assert s.admission_room() == (0, -1)
+    s.schedule()  # admits all three (the last one's prompt in part): their 4 slots held
+    assert not s.waiting and s.admission_room() == (0, 16)
+    cached = make(max_num_seqs=4, budget=16, caching=True)
+    add(cached, range(40))
+    assert cached.admission_room() == (3, float("inf"))  # cached prompts: slots alone
