@@ -331,10 +331,16 @@ class Engine:
                 self.add_request(rid, prompt, params, token_logprobs=token_logprobs)
             mine: list[GenerationOutput] = []
             others: list[GenerationOutput] = []
+            answered: set = set()  # a request is done once it has outputs and is not running
             while True:
                 for out in self.step():
-                    (mine if out.id in order else others).append(out)
-                if not (self.intake.pending() or any(rid in self._requests for rid in order)):
+                    if out.id in order:
+                        mine.append(out)
+                        answered.add(out.id)
+                    else:
+                        others.append(out)
+                if len(answered) == len(order) and not any(rid in self._requests
+                                                           for rid in order):
                     break
             self._ready = others + self._ready
         mine.sort(key=lambda o: (order[o.id], o.sample_index))

@@ -210,6 +210,27 @@ def test_a_large_batch_is_built_as_the_scheduler_can_admit_it(tiny_llama, prefix
     assert not engine.has_unfinished_requests()
 
 
+def test_generate_returns_while_other_threads_keep_queueing(tiny_llama):
+    """generate() ends once its own requests have answered, not when the queue is empty: a
+    producer that queues a request at every step does not hold it up."""
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    params = SamplingParams(max_tokens=2, seed=0, ignore_eos=True)
+    step, calls = engine.step, []
+
+    def step_and_queue():
+        calls.append(1)
+        if len(calls) > 200:
+            raise AssertionError("generate() kept stepping for other requests")
+        outputs = step()
+        engine.add_request(f"late{len(calls)}", [5, 6], params)  # queued when step returns
+        return outputs
+
+    engine.step = step_and_queue
+    mine = engine.generate([("mine", [7, 8], params), ("bad", [7, 99999], params)])
+    assert [(o.id, o.finish_reason) for o in mine] == [("mine", "length"), ("bad", "error")]
+    assert len(calls) < 20
+
+
 def test_generate_keeps_other_requests_outputs_for_step(tiny_llama):
     engine = make_engine(tiny_llama)
     engine.add_request("other", [5, 6], SamplingParams(max_tokens=2, seed=0, ignore_eos=True))
