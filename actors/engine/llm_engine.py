@@ -12,7 +12,6 @@ by a lock; one thread should drive the engine.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -25,7 +24,8 @@ from actors.engine.engine_config import EngineConfig
 from actors.engine.executor import InflightStep, StepExecutor
 from actors.engine.generation_output import GenerationOutput
 from actors.engine.intake import BuiltRequests, RequestIntake
-from actors.engine.sequence import Request, Sequence
+from actors.engine.request_book import RequestBook
+from actors.engine.sequence import Sequence
 from actors.engine.sleep import SleepController
 from actors.engine.step_counters import StepCounters
 from actors.engine.structured import StructuredOutputs
@@ -34,8 +34,6 @@ from actors.engine.weights import WeightLoader, WeightPayload, as_tensor_pairs
 from sampler.seeding import sample_seed
 
 logger = logging.getLogger(__name__)
-
-_INTAKE_CHUNK = 64  # requests built between two checks of the scheduler's admission room
 
 __all__ = ["BuiltRequests", "Engine", "EngineConfig", "StepCounters"]
 
@@ -86,13 +84,11 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs)
         self.executor = StepExecutor(parts.runner, parts.sampler, self.config.prompt_logprobs_chunk,
                                      self.structured)
-        self._compiling: list[Request] = []  # requests whose constraint is still compiling
-        self._requests: dict[Any, Request] = {}
         self._inflight: InflightStep | None = None
-        self._ready: list[GenerationOutput] = []
         self.intake = RequestIntake(self.inputs, self.sampler)
+        self.book = RequestBook(self.intake, self.scheduler, self.sampler, self.outputs,
+                                self.structured, self.inputs)
         self._step_lock = threading.RLock()
-        self._arrivals = itertools.count()
         self.weights = WeightLoader(self.loaded.model, parts.shard_slices)
         self.memory = SleepController(self.kv_cache, self.weights, parts.runner)
         self._blocked: str | None = None  # why steps cannot run (asleep, weights missing)
@@ -136,105 +132,7 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.intake.pending()
-                or bool(self._requests or self._ready or self._inflight is not None))
-
-    def _take_intake(self) -> None:
-        """Adds queued requests, built in order, until the waiting queue can fill the next
-        step's admissions (``Scheduler.admission_room``); the rest stay queued. Called before
-        a step's schedule and after its launch, so a batch handed in at once is built while
-        the device runs, a step's worth at a time, not all of it before the first launch."""
-        if not self.intake.pending():
-            return
-        slots, tokens = self.scheduler.admission_room()
-        while True:  # with no room left, only what precedes a queued abort
-            items = self.intake.take(limit=_INTAKE_CHUNK if slots > 0 and tokens > 0 else 0)
-            if not items:
-                return
-            for item in items:
-                kind = item[0]
-                if kind == "built":
-                    request = item[2]
-                    self._add(request)
-                    slots -= request.params.n
-                    tokens -= request.num_prompt_tokens
-                elif kind == "reject":
-                    self._reject(*item[1:])
-                else:
-                    self._abort(item[1])
-
-    def _add(self, request: Request) -> None:
-        request_id = request.request_id
-        if request_id in self._requests:
-            self._reject(request_id, request.params,
-                         f"request id {request_id!r} is already running")
-            return
-        request.arrival = next(self._arrivals)
-        seq = Sequence(request, 0, list(request.prompt_token_ids), fanout=request.params.n)
-        request.sequences.append(seq)
-        self._requests[request_id] = request
-        constraint = request.params.structured_outputs
-        if constraint is not None:  # compiled off this thread; admitted once it is done
-            request.grammar = self.structured.submit(constraint)
-            if request.params.min_tokens:  # the grammar alone decides where the text may end
-                request.params = request.params.replace(min_tokens=0)
-                request.sampler_rows = self.sampler.prepare(request.params,
-                                                            request.bad_words_token_ids)
-            self._compiling.append(request)
-        self.scheduler.add(seq)
-
-    def _check_compiled(self) -> None:
-        """Requests whose constraint failed to compile end as errors (before any device
-        work); the others become admissible."""
-        still = []
-        for request in self._compiling:
-            if not request.grammar.done():
-                still.append(request)
-                continue
-            error = request.grammar.result().error
-            if error is None or self._requests.get(request.request_id) is not request:
-                continue
-            for seq in request.sequences:
-                self.scheduler.finish(seq)
-            self._requests.pop(request.request_id, None)
-            self._ready += self.outputs.error_outputs(
-                request.request_id, request.params.n, error, seed=request.seed,
-                num_prompt_tokens=request.num_prompt_tokens)
-        self._compiling = still
-
-    def _reject(self, request_id: Any, params: Any, reason: str) -> None:
-        """Error outputs for a request that cannot run (n and seed as far as its params can
-        be read: they are parsed only here, off the path of good requests)."""
-        n, seed = self.inputs.describe(request_id, params)
-        self._ready += self.outputs.error_outputs(request_id, n, reason, seed=seed)
-
-    def _abort(self, request_id: Any) -> None:
-        request = self._requests.get(request_id)
-        if request is None:
-            return
-        for seq in list(request.sequences):
-            if not seq.is_finished:
-                self.outputs.abort(seq)
-                self._ready.append(self._finish(seq))
-        self._ready += self.outputs.unforked_abort_outputs(request)
-        self._requests.pop(request_id, None)
-
-    def _finish(self, seq: Sequence, top: Any = None) -> GenerationOutput:
-        return self._finish_all([seq], {id(seq): top} if top is not None else {})[0]
-
-    def _finish_all(self, seqs: list[Sequence], tops: dict) -> list[GenerationOutput]:
-        """The outputs of finished sequences (``tops``: their top logprobs by ``id(seq)``);
-        their pages and slots freed, one write a sampler table for them all."""
-        self.sampler.remove_requests(self.scheduler.finish_all(seqs))
-        structured, requests, build = self.structured, self._requests, self.outputs.build
-        outputs = []
-        for seq in seqs:
-            structured.release(seq)
-            request = seq.request
-            request.num_unfinished -= 1
-            if request.num_unfinished <= 0:
-                requests.pop(request.request_id, None)
-            outputs.append(build(seq, tops.get(id(seq))))
-        return outputs
+                or bool(self.book.requests or self.book.ready or self._inflight is not None))
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[GenerationOutput]:
@@ -247,13 +145,14 @@ class Engine:
                 raise RuntimeError(self._blocked)
             if self.replica is not None:
                 self.replica.check_alive()
-            self._take_intake()
-            if self._compiling:
-                self._check_compiled()
+            book = self.book
+            book.take_intake()
+            if book.compiling:
+                book.check_compiled()
             sched = self.scheduler.schedule()
-            if sched.is_empty and self._inflight is None and self._compiling:
+            if sched.is_empty and self._inflight is None and book.compiling:
                 # nothing can run until a constraint compiles: wait for one, not spin
-                self.structured.wait_any([r.grammar for r in self._compiling], timeout=0.05)
+                self.structured.wait_any([r.grammar for r in book.compiling], timeout=0.05)
             if sched.released_slots:
                 self.sampler.remove_requests(sched.released_slots)
             if sched.admitted:
@@ -262,8 +161,8 @@ class Engine:
             if self._inflight is not None:
                 self._process(self._inflight)
             self._inflight = launched
-            self._take_intake()  # the next step's admissions, built while the device runs
-            ready, self._ready = self._ready, []
+            book.take_intake()  # the next step's admissions, built while the device runs
+            ready = book.take_ready()
             counters = self.counters
             if launched is not None:
                 counters.steps += 1
@@ -312,7 +211,7 @@ class Engine:
         done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra,
                                   host.logprobs, host.ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
-            self._ready += self._finish_all(done, outputs.top_logprobs_of(done))
+            self.book.ready += self.book.finish_all(done, outputs.top_logprobs_of(done))
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,
@@ -339,10 +238,10 @@ class Engine:
                         answered.add(out.id)
                     else:
                         others.append(out)
-                if len(answered) == len(order) and not any(rid in self._requests
+                if len(answered) == len(order) and not any(rid in self.book.requests
                                                            for rid in order):
                     break
-            self._ready = others + self._ready
+            self.book.ready = others + self.book.ready
         mine.sort(key=lambda o: (order[o.id], o.sample_index))
         return mine
 
@@ -424,11 +323,11 @@ class Engine:
 
     def _quiesce(self, what: str) -> None:
         """Raises unless no request is unfinished; reads back a step still in flight."""
-        if self.intake.pending() or self._requests:
+        if self.intake.pending() or self.book.requests:
             raise RuntimeError(f"{what}: the engine has unfinished requests; wait for them or "
                                "abort them first")
         while self._inflight is not None:
-            self._ready = self.step() + self._ready
+            self.book.ready = self.step() + self.book.ready
 
     def info(self) -> dict[str, Any]:
         """Model and engine facts."""

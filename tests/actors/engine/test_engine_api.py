@@ -195,7 +195,7 @@ def test_a_large_batch_is_built_as_the_scheduler_can_admit_it(tiny_llama, prefix
     engine.step()
     # before the first launch one chunk of requests was built; after it, none more (the
     # waiting queue already fills the next step)
-    assert 0 < len(engine._requests) <= 64 and engine.intake.pending()
+    assert 0 < len(engine.book.requests) <= 64 and engine.intake.pending()
     outs = drain(engine)
     assert sorted(map(repr, (o.id for o in outs))) == sorted(repr(rid) for rid, _, _ in batch)
     bad = [o for o in outs if o.id == "bad"]

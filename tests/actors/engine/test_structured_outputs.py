@@ -219,7 +219,7 @@ def test_compiles_once_per_distinct_constraint_and_compiling_rows_wait(llama_eng
         while not done:
             done += [o for o in llama_engine.step() if o.id == "fast"]
         assert done[0].num_output_tokens == 3
-        slow = llama_engine._requests["slow"].sequences[0]
+        slow = llama_engine.book.requests["slow"].sequences[0]
         assert slow in llama_engine.scheduler.waiting and slow.slot == -1
     finally:
         structured._compile = compile_now
@@ -240,7 +240,7 @@ def test_min_tokens_does_not_apply_to_constrained_rows(llama_engine):
     llama_engine.add_request("m", "Hi", _params({"regex": "[a-z]{1,30}"}, seed=1,
                                                 min_tokens=10))
     llama_engine.step()  # the request is added (its params and rows without min_tokens)
-    request = llama_engine._requests["m"]
+    request = llama_engine.book.requests["m"]
     assert request.params.min_tokens == 0 and request.sampler_rows.i[MIN_TOKENS] == 0
     while llama_engine.has_unfinished_requests():
         llama_engine.step()
