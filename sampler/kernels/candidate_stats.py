@@ -18,6 +18,7 @@ from sampler.kernels.record import _record_row
 from sampler.kernels.reductions import (_best, _kth_largest, _lse, _lse_pair, _online_lse,
                                         _sampled_value)
 from sampler.kernels.tiles import _first_tiles, _next_tile
+from sampler.kernels.token_bitmask_kernel import _lane_bits
 
 # per-chunk partials (float32 fields)
 PART_WIDTH: tl.constexpr = tl.constexpr(8)
@@ -43,18 +44,11 @@ def _cand_row(iparams_ptr, stride_i, slot, V, KMAX):
 
 
 @triton.jit
-def _touched(trow, first, offs, V):
-    """The touch bits of a ``[R, VEC]`` tile: lane r holds ``VEC`` tokens from ``first[r]``,
-    all in one 32-bit word (VEC divides 32 and tiles start on a multiple of 32)."""
-    words = tl.load(trow + first // 32, mask=first < V, other=0)
-    return ((words[:, None] >> (offs & 31)) & 1) != 0
-
-
-@triton.jit
-def _untouched(raw, trow, first, offs, V, HAS_TOUCH: tl.constexpr):
-    """Raw values with the touched tokens at -inf (the untouched tokens' processed values)."""
+def _untouched(raw, trow, first, V, HAS_TOUCH: tl.constexpr, VEC: tl.constexpr):
+    """Raw values of a ``[R, VEC]`` tile (lane r: the ``VEC`` tokens from ``first[r]``) with
+    the touched tokens at -inf (the untouched tokens' processed values)."""
     if HAS_TOUCH:
-        return tl.where(_touched(trow, first, offs, V), float("-inf"), raw)
+        return tl.where(_lane_bits(trow, first, V, VEC), float("-inf"), raw)
     return raw
 
 
@@ -129,9 +123,8 @@ def _cand_stats_kernel(
     for start in range(lo, hi, BLOCK):
         cur, pre, pre2 = _next_tile(base, start, hi, pre, pre2, R, VEC, PREFETCH)
         first = start + lane * VEC
-        offs = first[:, None] + col[None, :]
         raw = cur.to(tl.float32)  # -inf past hi
-        y = _untouched(raw, trow, first, offs, V, HAS_TOUCH)
+        y = _untouched(raw, trow, first, V, HAS_TOUCH, VEC)
         tv = tl.max(y, 1)
         upd = tv > acc_bv
         acc_bv = tl.where(upd, tv, acc_bv)
@@ -150,7 +143,7 @@ def _cand_stats_kernel(
         first = acc_bs + lane * VEC
         offs = first[:, None] + col[None, :]
         raw = tl.load(base + offs, mask=offs < hi, other=NEG).to(tl.float32)
-        y = _untouched(raw, trow, first, offs, V, HAS_TOUCH)
+        y = _untouched(raw, trow, first, V, HAS_TOUCH, VEC)
         j = tl.min(tl.where(y == acc_bv[:, None], col[None, :], VEC - 1), 1)
         best_v, best_i = _best(acc_bv, first + j)
         bi = tl.where(best_v > NEG, best_i, lo)
@@ -196,7 +189,7 @@ def _cand_stats_kernel(
                 offs = first[:, None] + col[None, :]
                 raw = tl.load(base + offs, mask=live[:, None] & (offs < hi),
                               other=NEG).to(tl.float32)
-                y = _untouched(raw, trow, first, offs, V, HAS_TOUCH)
+                y = _untouched(raw, trow, first, V, HAS_TOUCH, VEC)
                 sel = (y >= t_c) & (y > NEG)
                 _put(lval, lid, ctr, sel, raw, offs, CAP)
                 u_c = tl.maximum(u_c, tl.max(tl.max(tl.where(sel, NEG, y), 1), 0))
