@@ -20,7 +20,8 @@ def child_env(repo: Path = REPO) -> dict[str, str]:
     return env
 
 
-def _descendants(root: int) -> list[int]:
+def process_tree(root_pid: int) -> set[int]:
+    """``root_pid`` and all its descendants (from /proc)."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -29,11 +30,11 @@ def _descendants(root: int) -> list[int]:
             except OSError:
                 continue
             parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = [], [root]
+    tree, frontier = {root_pid}, [root_pid]
     while frontier:
         pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid]
-        tree.extend(children)
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
         frontier.extend(children)
     return tree
 
@@ -41,7 +42,7 @@ def _descendants(root: int) -> list[int]:
 def actor_pids(root: int) -> list[tuple[int, str]]:
     """(pid, process title) of the GenerationActor workers below the job's process."""
     out = []
-    for pid in _descendants(root):
+    for pid in sorted(process_tree(root) - {root}):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
         except OSError:

@@ -93,25 +93,6 @@ def assert_identical(a: pa.Table, b: pa.Table) -> None:
             raise AssertionError(f"column {name!r} differs in {len(bad)} rows, {where}")
 
 
-def process_tree(root_pid: int) -> set[int]:
-    """``root_pid`` and all its descendants (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = {root_pid}, [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid and c not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return tree
-
-
 def _hex_address(text: str) -> str:
     host, port = text.split(":")
     raw = bytes.fromhex(host)

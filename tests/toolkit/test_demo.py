@@ -13,7 +13,8 @@ import pytest
 
 from jobs.manifest import SUCCESS
 from sampler import SamplingParams
-from tests.jobs.helpers import is_loopback, listening_addresses, process_tree
+from benchmarks.job_processes import process_tree
+from tests.jobs.helpers import is_loopback, listening_addresses
 from toolkit.demo import demo_prompts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.jobs.helpers import (is_loopback, listening_addresses, process_tree, write_jsonl,
+from benchmarks.job_processes import process_tree
+from tests.jobs.helpers import (is_loopback, listening_addresses, write_jsonl,
                                 write_parquet)
 from tests.toolkit.cluster import head_cluster
 from toolkit.cli import main
