@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 
 def _spin(n: int = 60_000) -> float:
@@ -51,12 +50,4 @@ def choose_cpus(spec: str, speeds: dict[int, float]) -> list[int]:
     return sorted(cpus)
 
 
-def cpus_allowed(pid: int) -> str | None:
-    """A process's ``Cpus_allowed_list`` (None once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
     return None

@@ -266,7 +266,7 @@ def run_engine(path: Path, prompts: np.ndarray, out: int, args) -> dict:
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     load_s = time.perf_counter() - t0
     if args.mix == "job":  # job_bench's per-row mix (greedy, top-p, top-k, min-p, logprobs)
-        from benchmarks.job_bench import row_params
+        from benchmarks.job_rows import row_params
         params = [SamplingParams(max_tokens=out, ignore_eos=True, detokenize=False,
                                  **row_params(i)) for i in range(n)]
     else:

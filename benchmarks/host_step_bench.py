@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def _job_row_params():
-    spec = importlib.util.spec_from_file_location("job_bench", REPO / "benchmarks" / "job_bench.py")
+    spec = importlib.util.spec_from_file_location("job_rows", REPO / "benchmarks" / "job_rows.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.row_params

@@ -68,17 +68,10 @@ through the inherited ``PYTHONPATH`` (the repo root is prepended for the job).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -86,98 +79,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from cpu_speed import choose_cpus, cpus_allowed, probe_cpus  # noqa: E402
-from job_processes import actor_pids, child_env  # noqa: E402
+from cpu_speed import choose_cpus, probe_cpus  # noqa: E402
+from job_processes import actor_windows, committed_shards, log, run_cli_job  # noqa: E402
+from job_bare import MODELS, load_e2e, run_bare  # noqa: E402
+from job_rows import check_output, token_match, write_input  # noqa: E402
 
-# model config name: (e2e_bench spec name, engine options). The KV pool is sized exactly
-# (every sequence at full length), so the bare engine and each actor get the same one.
-MODELS = {
-    "qwen2-0.5b": ("QWEN2_05B", {"max_num_seqs": 1024, "max_num_batched_tokens": 32768}),
-    "tiny": ("TINY", {"max_num_seqs": 32, "max_num_batched_tokens": 2048}),
-}
-# per-row params, cycled over the rows (max_tokens / ignore_eos / detokenize are job defaults)
-ROW_PARAMS: tuple[dict[str, Any], ...] = (
-    {"temperature": 0.0},
-    {"temperature": 0.8, "top_p": 0.95},
-    {"temperature": 1.0, "top_k": 50},
-    {"temperature": 0.7, "top_p": 0.9, "logprobs": 5},
-    {"temperature": 0.8, "top_p": 0.95, "seed": None},  # seed filled in per row
-    {"temperature": 1.0, "logprobs": 20},
-    {"temperature": 0.0, "logprobs": 0},
-    {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": None},
-)
 JOB_SEED = 2024
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-T0 = float(os.environ.get("JOB_BENCH_T0", time.time()))  # the bare child logs on our clock
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-def save_text_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """``--text``: a model whose vocabulary the saved 512-token tokenizer cannot spell gets
-    the Qwen tokenizer (``structured_bench.qwen_tokenizer``) in its place."""
-    if vocab_size <= 512:
-        return
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from structured_bench import qwen_tokenizer
-
-    qwen_tokenizer().save_pretrained(model_dir)
-
-
-def load_e2e():
-    spec = importlib.util.spec_from_file_location("e2e_bench", REPO / "benchmarks" / "e2e_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def row_params(i: int) -> dict[str, Any]:
-    p = dict(ROW_PARAMS[i % len(ROW_PARAMS)])
-    if "seed" in p:
-        p["seed"] = 1_000_003 * i + 7
-    return p
-
-
-def write_input(path: Path, rows: int, prompt_len: int, vocab: int) -> None:
-    """``rows`` rows: id, prompt_token_ids (int32, fixed length), sampling_params (struct),
-    group (passthrough)."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = np.random.default_rng(0)
-    ids = rng.integers(100, vocab - 1, size=(rows, prompt_len), dtype=np.int32)
-    fields = [("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int64()),
-              ("min_p", pa.float64()), ("seed", pa.int64()), ("logprobs", pa.int64())]
-    table = pa.table({
-        "id": pa.array([f"row-{i:05d}" for i in range(rows)], pa.string()),
-        "prompt_token_ids": pa.FixedSizeListArray.from_arrays(ids.reshape(-1), prompt_len)
-        .cast(pa.list_(pa.int32())),
-        "sampling_params": pa.array([row_params(i) for i in range(rows)], pa.struct(fields)),
-        "group": pa.array([i % len(ROW_PARAMS) for i in range(rows)], pa.int64()),
-    })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path, row_group_size=256)
-
-
-def expected_schema():
-    """docs/design.md's output table, with the ``group`` passthrough column."""
-    import pyarrow as pa
-
-    top = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
-    return pa.schema([
-        ("id", pa.string()), ("sample_index", pa.int32()), ("output_text", pa.string()),
-        ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-        ("stop_reason", pa.string()), ("stop_token_id", pa.int32()),
-        ("logprobs", pa.list_(pa.float32())),
-        ("top_logprobs", pa.list_(pa.list_(top))), ("sampled_ranks", pa.list_(pa.int32())),
-        ("prompt_logprobs", pa.list_(pa.float32())), ("prompt_token_ids", pa.list_(pa.int32())),
-        ("prompt_top_logprobs", pa.list_(pa.list_(top))), ("num_prompt_tokens", pa.int32()),
-        ("num_output_tokens", pa.int32()), ("seed", pa.int64()), ("error", pa.string()),
-        ("group", pa.int64()),
-    ])
 
 
 def job_config(args, work: Path, output: Path, num_actors: int, deterministic: bool) -> dict:
@@ -209,257 +116,6 @@ def write_yaml(config: dict, path: Path) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------- bare engine
-def bare_stage(args) -> None:
-    """Child process: build the model, then run the bare engine over the job's rows."""
-    import gc
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from actors.engine.llm_engine import Engine
-    from actors.engine.profiling import LoopProfile
-    from actors.contract.shard_io import read_rows, row_ids
-    from actors.rows import prepare_requests
-    from jobs.config import JobConfig
-    from jobs.sources import discover
-    from jobs.plan import Shard, make_task
-    from jobs.runner import engine_options
-    from jobs.storage import resolve
-
-    e2e = load_e2e()
-    if args.device == "cpu":
-        e2e.DEVICE = "cpu"
-    config = JobConfig.from_yaml(args.config)
-    t0 = time.perf_counter()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if not (Path(config.model) / "config.json").exists():  # a repeat reuses the model
-        model_spec = getattr(e2e, MODELS[args.model_config][0])
-        e2e.build_model(model_spec, Path(config.model))
-        if args.text:
-            save_text_tokenizer(Path(config.model), model_spec["vocab_size"])
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        log(f"bare: model saved in {time.perf_counter() - t0:.1f} s")
-    build_s = time.perf_counter() - t0
-
-    spec = discover(config)
-    task = make_task(Shard(0, 0, 0, spec.total_rows), 1, spec, config, resolve(config.output))
-    table = read_rows(task)
-    ids, values, id_errors = row_ids(task, table)
-    requests, failed = prepare_requests(task, table, values, id_errors)
-    assert not failed, list(failed.values())[:3]
-    t0 = time.perf_counter()
-    engine = Engine(config.model, engine_options(config))
-    load_s = time.perf_counter() - t0
-    if cuda:  # what an actor does before its first shard
-        engine.warm_up()
-        torch.cuda.synchronize()
-    else:
-        engine.generate([(f"w{i}", prompt[:16], params.replace(max_tokens=8))
-                         for i, (_, prompt, params) in enumerate(requests[:len(ROW_PARAMS)])])
-    phases = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup.items())
-    log(f"bare: engine loaded in {load_s:.1f} s ({phases}), warmed up; generating "
-        f"{len(requests)} rows")
-    profile = LoopProfile("bare")  # RAYGEN_PROFILE_DIR: as the actors' engine loop
-    with e2e.frozen_heap():  # as the actors after startup
-        t0 = time.perf_counter()
-        before = engine.counters.snapshot()
-        for rid, prompt, params in requests:
-            engine.add_request(rid, prompt, params)
-        outputs = []
-        profile.start()
-        while engine.has_unfinished_requests():
-            outputs.extend(engine.step())
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        spent = engine.counters.since(before)
-    profile.dump()
-    from actors.engine import profiling
-
-    if profiling.trace is not None:  # RAYGEN_TRACE_DIR: the bare run's steps, as the actors'
-        profiling.span("batch", time.time() - elapsed, len(requests))
-        profiling.trace.dump()
-    tokens = sum(o.num_output_tokens for o in outputs)
-    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-    outputs.sort(key=lambda o: index[o.id])
-    pq.write_table(pa.table({
-        "id": pa.array([values[index[o.id]] for o in outputs], pa.string()),
-        "output_token_ids": pa.array([list(o.output_token_ids) for o in outputs],
-                                     pa.list_(pa.int32()))}), args.bare_tokens)
-    info = engine.info()
-    result = {"build_model_s": build_s, "load_s": load_s, "load_phases_s": engine.startup,
-              "elapsed_s": elapsed, "steps": spent.steps, "busy_s": spent.busy_s,
-              "device_wait_s": spent.device_wait_s, "cpu_s": spent.cpu_s,
-              "rows": len(outputs), "output_tokens": tokens, "output_tok_s": tokens / elapsed,
-              "attention_backend": info.get("attention_backend"),
-              "cuda_graphs": info.get("cuda_graphs"), "sampler_backend": engine.sampler.backend,
-              "device": torch.cuda.get_device_name() if cuda else "cpu"}
-    Path(args.bare_result).write_text(json.dumps(result, indent=1))
-    per_step = 1e3 / max(spent.steps, 1)
-    log(f"bare: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} output tok/s "
-        f"({spent.steps} steps: {spent.busy_s * per_step:.1f} ms a step, host "
-        f"{(spent.busy_s - spent.device_wait_s) * per_step:.1f} (on a CPU "
-        f"{spent.cpu_s * per_step:.1f}), waiting for the device "
-        f"{spent.device_wait_s * per_step:.1f})")
-
-
-def run_bare(args, work: Path, config_path: Path, repeat: int = 0) -> dict:
-    """One bare-engine child process (a repeat reuses the saved model)."""
-    result, tokens = work / f"bare{repeat}.json", work / f"bare_tokens{repeat}.parquet"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "bare",
-           "--config", str(config_path), "--bare-result", str(result),
-           "--bare-tokens", str(tokens), "--model-config", args.model_config,
-           "--device", args.device] + (["--text"] if args.text else [])
-    # the thread count a num_cpus=1 Ray actor gets (Ray sets OMP_NUM_THREADS=1 in it); more
-    # threads than free cores make a CPU engine ~10x slower on a busy 2-core box
-    env = {**child_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "JOB_BENCH_T0": repr(T0)}
-    subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=args.timeout)
-    return {**json.loads(result.read_text()), "tokens_file": str(tokens)}
-
-
-# ----------------------------------------------------------------------------- jobs via CLI
-def _committed(output: Path) -> dict:
-    from jobs.manifest import read_manifest
-
-    try:
-        return read_manifest(output).get("committed", {})
-    except (OSError, ValueError):
-        return {}
-
-
-def run_cli_job(name: str, config_path: Path, output: Path, timeout: float,
-                kill: bool = False, repo: Path = REPO, keep_log: bool = False) -> dict:
-    """Runs ``raygen run config`` (as ``python -m toolkit.cli``, with ``repo``'s code),
-    streaming its log with timestamps; ``kill``: SIGKILL one actor process once the first
-    shard is committed; ``keep_log``: return every line as ``(seconds, line)`` in ``log``."""
-    log(f"{name}: raygen run {config_path.name}")
-    started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "-v", "run", str(config_path)],
-                            cwd=repo, env=child_env(repo), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
-    events: dict[str, float] = {}
-    actor_events: list[tuple[float, str, str, int]] = []  # (time, actor, "ready"|"shard", id)
-    lines: list[str] = []
-    stamped: list[tuple[float, str]] = []
-    affinity: dict[int, str | None] = {}  # actor pid: its CPUs
-    batches: dict[int, int] = {}  # shard id: its steps' mean batch (sequences a step)
-
-    def read() -> None:
-        for line in proc.stdout:
-            now = time.time()
-            line = ANSI.sub("", line)
-            lines.append(line.rstrip("\n"))
-            if keep_log:
-                stamped.append((now - started, lines[-1]))
-            print(f"    {name} +{now - started:6.1f}s | {line.rstrip()}", flush=True)
-            if m := re.search(r"jobs\.dispatch: (actor-\d+) ready", line):
-                actor_events.append((now, m.group(1), "ready", -1))
-                for pid, _ in actor_pids(proc.pid):
-                    affinity.setdefault(pid, cpus_allowed(pid))
-            elif m := re.search(r"jobs\.runner: shard (\d+) by (actor-\d+):", line):
-                actor_events.append((now, m.group(2), "shard", int(m.group(1))))
-                if b := re.search(r" steps of (\d+) sequences in ", line):
-                    batches[int(m.group(1))] = int(b.group(1))
-            elif "jobs.runner: job finished" in line:
-                events["finished"] = now
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    killed: dict[str, Any] = {}
-    if kill:
-        while proc.poll() is None and not _committed(output):
-            time.sleep(0.05)
-        actors = actor_pids(proc.pid)
-        busy = [a for a in actors if "process_shard" in a[1]] or actors
-        if proc.poll() is None and busy:
-            pid, title = busy[0]
-            os.kill(pid, signal.SIGKILL)
-            killed = {"pid": pid, "title": title, "at_s": time.time() - started,
-                      "committed_before": len(_committed(output))}
-            log(f"{name}: killed actor process {pid} ({title}) after "
-                f"{killed['committed_before']} committed shard(s)")
-        else:
-            log(f"{name}: no actor process to kill (job already over?)")
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=60)
-    reader.join(timeout=10)
-    ended = time.time()
-    finished = events.get("finished", ended)
-    ready = [t for t, _, kind, _ in actor_events if kind == "ready"]
-    first_ready = min(ready) if ready else started
-    return {"returncode": rc, "end_to_end_s": ended - started, "started_wall": started,
-            "start_to_first_ready_s": first_ready - started,
-            "start_to_all_ready_s": (max(ready) if ready else started) - started,
-            "generation_s": finished - first_ready, "actors_started": len(ready),
-            "ready_skew_s": (max(ready) - min(ready)) if ready else 0.0,
-            "actor_events": [(t - started, a, kind, i) for t, a, kind, i in actor_events],
-            "killed": killed, "actor_cpus": {str(k): v for k, v in affinity.items()},
-            "shard_batches": {str(k): v for k, v in sorted(batches.items())},
-            "log_tail": lines[-12:], **({"log": stamped} if keep_log else {})}
-
-
-def actor_windows(events: list[tuple[float, str, str, int]], shard_tokens) -> dict[str, dict]:
-    """Per actor: its shards, their output tokens (``shard_tokens(shard id)``) and its busy
-    window, from its last "ready" to its last shard committed (a restarted actor counts from
-    its new start). What each actor generated while it was up, free of the other's start."""
-    out: dict[str, dict] = {}
-    for t, actor, kind, shard in sorted(events):
-        entry = out.setdefault(actor, {"ready_s": t, "shards": [], "output_tokens": 0})
-        if kind == "ready":
-            entry.update(ready_s=t, shards=[], output_tokens=0)
-        else:
-            entry["shards"].append(shard)
-            entry["output_tokens"] += shard_tokens(shard)
-            entry["last_commit_s"] = t
-    for entry in out.values():
-        if entry["shards"]:
-            entry["window_s"] = entry["last_commit_s"] - entry["ready_s"]
-            entry["output_tok_s"] = entry["output_tokens"] / max(entry["window_s"], 1e-9)
-    return out
-
-
-def check_output(output: Path, rows: int, output_len: int,
-                 text: bool = False) -> tuple[dict, Any]:
-    """Checks a finished job's output (``text``: every row has its text, else none has);
-    returns (checks, table sorted by id)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from jobs.manifest import SUCCESS
-
-    checks: dict[str, bool] = {"success_marker": (output / SUCCESS).exists()}
-    if not checks["success_marker"]:
-        return checks, None
-    table = pq.read_table(str(output)).sort_by([("id", "ascending"),
-                                                ("sample_index", "ascending")])
-    checks["schema"] = table.schema.equals(expected_schema())
-    ids = Counter(table.column("id").to_pylist())
-    checks["ids_one_to_one"] = ids == Counter(f"row-{i:05d}" for i in range(rows))
-    checks["row_count"] = table.num_rows == rows
-    checks["no_errors"] = table.column("error").null_count == table.num_rows
-    texts = table.column("output_text")
-    checks["text_where_asked"] = texts.null_count == (0 if text else table.num_rows)
-    checks["all_tokens"] = (pc.all(pc.equal(table.column("num_output_tokens"), output_len))
-                            .as_py() and pc.all(pc.equal(pc.list_value_length(
-                                table.column("output_token_ids")), output_len)).as_py())
-    wanted = [row_params(int(i[4:])).get("logprobs") for i in table.column("id").to_pylist()]
-    logprobs = table.column("logprobs").to_pylist()
-    top = table.column("top_logprobs").to_pylist()
-    checks["logprobs_where_asked"] = all(
-        (lp is None) == (k is None) and (k is None or len(lp) == output_len)
-        and (not k or (len(t) == output_len and all(len(s) == k for s in t)))
-        for k, lp, t in zip(wanted, logprobs, top))
-    return checks, table
-
-
 def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
              kill: bool = False) -> tuple[dict, Any]:
     output = work / f"out-{name}"
@@ -468,7 +124,7 @@ def job_step(args, work: Path, name: str, num_actors: int, deterministic: bool,
     run = run_cli_job(name, config_path, output, args.timeout, kill)
     checks, table = check_output(output, args.rows, args.output_len, args.text)
     checks["exit_code_0"] = run["returncode"] == 0
-    committed = _committed(output)
+    committed = committed_shards(output)
     tokens = args.rows * args.output_len
     per_actor = actor_windows(run["actor_events"], lambda shard: args.output_len * max(
         0, min(args.rows_per_shard, args.rows - shard * args.rows_per_shard)))
@@ -496,16 +152,6 @@ def _median_run(runs: list[tuple[dict, Any]]) -> tuple[dict, Any]:
     """The run with the median output tok/s (the lower middle one of an even count)."""
     ranked = sorted(runs, key=lambda r: r[0]["output_tok_s"])
     return ranked[(len(ranked) - 1) // 2]
-
-
-def token_match(table, bare_tokens: str) -> float:
-    """Share of rows whose output token ids equal the bare engine's."""
-    import pyarrow.parquet as pq
-
-    bare = pq.read_table(bare_tokens).sort_by("id")
-    same = sum(a == b for a, b in zip(table.column("output_token_ids").to_pylist(),
-                                      bare.column("output_token_ids").to_pylist()))
-    return same / max(table.num_rows, 1)
 
 
 def actors_that_fit(gpus: int, gpus_per_actor: float) -> int:
@@ -556,13 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timeout", type=float, default=600, help="seconds per step")
     p.add_argument("--out", default=".", help="directory for job_bench.json")
     p.add_argument("--tmp", default=None, help="where model, input and outputs go")
-    p.add_argument("--stage", default="all", help=argparse.SUPPRESS)
-    for hidden in ("--config", "--bare-result", "--bare-tokens"):
-        p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.stage == "bare":
-        bare_stage(args)
-        return {}
     if not 0 < args.gpus_per_actor <= 1:
         p.error(f"--gpus-per-actor: must be in (0, 1], got {args.gpus_per_actor}")
     max_actors = args.max_actors or actors_that_fit(visible_gpus(args.device),

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.util
 import json
 import re
 import statistics
@@ -42,6 +41,13 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from job_bare import MODELS, load_e2e, save_text_tokenizer  # noqa: E402
+from job_bench import job_config, write_yaml  # noqa: E402
+from job_processes import log, run_cli_job  # noqa: E402
+from job_rows import write_input  # noqa: E402
 
 READY = re.compile(r"jobs\.dispatch: (actor-\d+) ready \(startup: (.*)\)\s*$")
 PHASE = re.compile(r"([a-z_ ]+?) (-?[0-9.]+) s")
@@ -60,14 +66,6 @@ RAY_EVENTS = (
     ("ray_driver_s", "python-core-driver-*.log", None),
     ("ray_first_worker_s", "python-core-worker-*.log", None),
 )
-
-
-def load_job_bench():
-    spec = importlib.util.spec_from_file_location("job_bench", REPO / "benchmarks" /
-                                                  "job_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def startup_phases(text: str) -> dict[str, float]:
@@ -153,12 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     for tree in trees:
         if not (tree / "toolkit" / "cli.py").is_file():
             p.error(f"--trees: {tree} is no raygen checkout (no toolkit/cli.py)")
-    jb = load_job_bench()
-    spec_name, engine = jb.MODELS[args.model_config]
+    spec_name, engine = MODELS[args.model_config]
     rows_per_shard = min(args.rows, engine["max_num_seqs"])
     shards = -(-args.rows // rows_per_shard)
     if shards < args.num_actors:  # the driver starts no more actors than there are shards
-        jb.log(f"{args.rows} rows make {shards} shard(s) of {rows_per_shard}: "
+        log(f"{args.rows} rows make {shards} shard(s) of {rows_per_shard}: "
                f"{shards} of the {args.num_actors} actors start")
     settings = SimpleNamespace(model_config=args.model_config, prompt_len=128 if
                                args.model_config != "tiny" else 16, output_len=16,
@@ -170,30 +167,30 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict[str, Any] = {"args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory(prefix="startup_bench-") as tmp:
         work = Path(tmp)
-        e2e = jb.load_e2e()
+        e2e = load_e2e()
         if args.device == "cpu":
             e2e.DEVICE = "cpu"
         spec = getattr(e2e, spec_name)
         t0 = time.perf_counter()
         model = e2e.build_model(spec, work / "model")
         if args.text:
-            jb.save_text_tokenizer(work / "model", spec["vocab_size"])
+            save_text_tokenizer(work / "model", spec["vocab_size"])
         del model  # the jobs' actors need the device memory, not this process
         gc.collect()
         import torch  # loaded already by e2e_bench
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        jb.log(f"model saved in {time.perf_counter() - t0:.1f} s")
-        jb.write_input(work / "input.parquet", args.rows, settings.prompt_len,
+        log(f"model saved in {time.perf_counter() - t0:.1f} s")
+        write_input(work / "input.parquet", args.rows, settings.prompt_len,
                        spec["vocab_size"])
         for r in range(args.repeats):
             for i, tree in enumerate(trees):
                 name = f"t{i}_r{r + 1}"
                 output = work / f"out-{name}"
-                config = jb.job_config(settings, work, output, args.num_actors, True)
-                path = jb.write_yaml(config, work / f"{name}.yaml")
-                run = jb.run_cli_job(name, path, output, args.timeout, repo=tree,
+                config = job_config(settings, work, output, args.num_actors, True)
+                path = write_yaml(config, work / f"{name}.yaml")
+                run = run_cli_job(name, path, output, args.timeout, repo=tree,
                                      keep_log=True)
                 entry = {"tree": str(tree), "repeat": r + 1, "returncode": run["returncode"],
                          "end_to_end_s": run["end_to_end_s"], **timeline(run["log"])}

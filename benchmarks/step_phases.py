@@ -18,6 +18,7 @@ sys.path.insert(0, "benchmarks")
 from pathlib import Path
 import numpy as np, torch
 import job_bench as jb
+import job_rows
 e2e = jb.load_e2e()
 path = Path("/tmp/diag_model")
 if not (path / "config.json").exists():
@@ -32,7 +33,7 @@ rng = np.random.default_rng(0)
 def reqs(tag, mt):
     out = []
     for i in range(1024):
-        p = jb.row_params(i); p.update(max_tokens=mt, ignore_eos=True, detokenize=False)
+        p = job_rows.row_params(i); p.update(max_tokens=mt, ignore_eos=True, detokenize=False)
         out.append((f"{tag}{i}", rng.integers(100, 151000, 128).tolist(), SamplingParams(**p)))
     return out
 engine.generate(reqs("w", 4)); torch.cuda.synchronize()

@@ -39,11 +39,11 @@ def test_floors_scale_with_the_workload(e2e_bench):
 
 
 def test_the_job_mix_runs_the_engine_with_job_bench_params(e2e_bench, tmp_path, monkeypatch):
-    import benchmarks.job_bench as job_bench
+    import benchmarks.job_rows as job_rows
 
     asked = []
-    row_params = job_bench.row_params
-    monkeypatch.setattr(job_bench, "row_params", lambda i: asked.append(i) or row_params(i))
+    row_params = job_rows.row_params
+    monkeypatch.setattr(job_rows, "row_params", lambda i: asked.append(i) or row_params(i))
     (r,) = e2e_bench.main(["--workloads", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
                            "--skip-hf", "--mix", "job", "--max-batched-tokens", "64"])
     assert r["mix"] == "job" and "hf" not in r

@@ -74,7 +74,7 @@ def test_input_rows_mix_params_and_fit_the_output_schema(job_bench, tmp_path):
     assert {p["temperature"] for p in params} >= {0.0, 0.8, 1.0}
     assert sum(p["seed"] is not None for p in params) == 6
     assert all(len(ids) == 8 for ids in table.column("prompt_token_ids").to_pylist())
-    assert job_bench.expected_schema().names[-1] == "group"
+    assert load_benchmark("job_rows").expected_schema().names[-1] == "group"
 
 
 def test_actor_windows_count_each_actor_from_its_own_start(job_bench):
