@@ -47,7 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_bench import QWEN2_05B, TINY, build_model, log, median_s, sync  # noqa: E402
+from e2e_bench import QWEN2_05B, TINY, build_model, log, sync  # noqa: E402
+from engine_floors import median_s  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 WORKLOADS = {  # name: (model config, prompts, prompt length, output length, sampler rows)
