@@ -9,6 +9,7 @@ device for the next launch to gather its decode inputs from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,11 +69,19 @@ class StepExecutor:
         """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids.
         The phases are methods so that a benchmark's ``StepTimer`` can time each of them
         (``actors.engine.step_timer``) without a check on this path."""
+        step, inputs, logits = self.launch_model(sched, prev)
+        if logits is not None:
+            self.sample(sched, inputs, logits, step, prev)
+        return step
+
+    @torch.no_grad()
+    def launch_model(self, sched: SchedulerOutput, prev: InflightStep | None
+                     ) -> tuple[InflightStep, Any, torch.Tensor | None]:
+        """The first part of :meth:`launch`: the inputs, the forward and the LM head; returns
+        the step, its inputs and its logits (None when no row samples) for :meth:`sample`."""
         inputs = self.runner.prepare(sched, prev.sample_seqs if prev is not None else None)
         step, hidden = self.forward(sched, inputs, prev)
-        if sched.sample_seqs:
-            self.sample(sched, inputs, self.logits(hidden), step, prev)
-        return step
+        return step, inputs, self.logits(hidden) if sched.sample_seqs else None
 
     def forward(self, sched: SchedulerOutput, inputs, prev: InflightStep | None
                 ) -> tuple[InflightStep, torch.Tensor]:
@@ -90,6 +99,7 @@ class StepExecutor:
             logits = logits[runner.sample_inverse]
         return logits
 
+    @torch.no_grad()
     def sample(self, sched: SchedulerOutput, inputs, logits: torch.Tensor,
                step: InflightStep, prev: InflightStep | None = None) -> None:
         """Samples every row, starts the copies back, marks each row's token PENDING."""

@@ -157,10 +157,7 @@ class Engine:
                 self.sampler.remove_requests(sched.released_slots)
             if sched.admitted:
                 self._admit_to_sampler(sched.admitted)
-            launched = None if sched.is_empty else self.executor.launch(sched, self._inflight)
-            if self._inflight is not None:
-                self._process(self._inflight)
-            self._inflight = launched
+            launched = self._inflight = self._launch(sched)
             book.take_intake()  # the next step's admissions, built while the device runs
             ready = book.take_ready()
             counters = self.counters
@@ -191,14 +188,45 @@ class Engine:
             sample_indices=[0] * len(seqs),
             output_token_ids=[seq.output_token_ids for seq in seqs])
 
-    def _process(self, step: InflightStep) -> None:
+    def _launch(self, sched) -> InflightStep | None:
+        """Launches ``sched`` (None when it is empty) and processes the step before it
+        (``_inflight``). When the sampler's launch waits for the masks the previous step's
+        tokens lead to (the ahead fill of structured outputs), the previous step is
+        processed between the forward's launch and the sampler's, while the device runs the
+        forward and the masks fill, so that after the sampler's launch the host only has the
+        next forward to launch; the sequences that finished are freed after the sampler's
+        launch (their slots are in it). Otherwise the whole step is launched first."""
+        executor, prev = self.executor, self._inflight
+        if (prev is None or not sched.sample_seqs
+                or not self.structured.filling_after(prev.output)):
+            launched = None if sched.is_empty else executor.launch(sched, prev)
+            if prev is not None:
+                self._process(prev)
+            return launched
+        launched, inputs, logits = executor.launch_model(sched, prev)
+        finished = self._process(prev, release=False)
+        try:
+            executor.sample(sched, inputs, logits, launched, prev)
+        finally:
+            self.book.release(finished)
+        return launched
+
+    def _process(self, step: InflightStep, release: bool = True) -> list[Sequence]:
+        """Reads a launched step back: prompt logprobs, sampled tokens, finished
+        sequences' outputs. Without ``release`` it waits only for the structured-output
+        accept of the step's tokens (not for the masks after them) and returns the
+        sequences that finished, for :meth:`RequestBook.release` once the next sampler is
+        launched."""
         for scores in step.prompt_scores:
             host = scores.output.get()
             self.outputs.record_prompt_logprobs(
                 scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
         if step.output is None:
-            return
-        self.structured.settle(step.output)  # its matchers (when no step since took them)
+            return []
+        if release:
+            self.structured.settle(step.output)  # its matchers (when no step since took them)
+        else:
+            self.structured.wait_accepted(step.output)
         waited, cpu_waited = time.perf_counter(), time.thread_time()
         host = step.output.get()
         counters = self.counters
@@ -211,7 +239,9 @@ class Engine:
         done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra,
                                   host.logprobs, host.ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
-            self.book.ready += self.book.finish_all(done, outputs.top_logprobs_of(done))
+            self.book.ready += self.book.finish_all(done, outputs.top_logprobs_of(done),
+                                                    release=release)
+        return [] if release else done
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,

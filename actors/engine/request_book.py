@@ -129,10 +129,13 @@ class RequestBook:
         self.ready += self.outputs.unforked_abort_outputs(request)
         self.requests.pop(request_id, None)
 
-    def finish_all(self, seqs: list[Sequence], tops: dict) -> list[GenerationOutput]:
+    def finish_all(self, seqs: list[Sequence], tops: dict,
+                   release: bool = True) -> list[GenerationOutput]:
         """The outputs of finished sequences (``tops``: their top logprobs by ``id(seq)``);
-        their pages and slots freed, one write a sampler table for them all."""
-        self.sampler.remove_requests(self.scheduler.finish_all(seqs))
+        their pages and slots freed (:meth:`release`; without ``release`` the caller calls it
+        later), one write a sampler table for them all."""
+        if release:
+            self.release(seqs)
         structured, requests, build = self.structured, self.requests, self.outputs.build
         outputs = []
         for seq in seqs:
@@ -143,3 +146,8 @@ class RequestBook:
                 requests.pop(request.request_id, None)
             outputs.append(build(seq, tops.get(id(seq))))
         return outputs
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees finished sequences' pages and sampler slots."""
+        if seqs:
+            self.sampler.remove_requests(self.scheduler.finish_all(seqs))

@@ -1,8 +1,8 @@
 """Per-step timing of the engine on CUDA: device events around each launched step.
 
 Benchmarks attach a ``StepTimer`` to an engine (``timer.attach(engine)``, ``timer.detach()``):
-it replaces the executor's ``launch`` with a timed copy of its phases, so an engine without a
-timer runs no timing check. For each step it records host clocks and three events on the compute stream: before the
+it replaces the executor's ``launch_model`` and ``sample`` with timed copies of their phases,
+so an engine without a timer runs no timing check. For each step it records host clocks and three events on the compute stream: before the
 step's first device operation (its uploads), before the sampler, and after the sampler. The
 device is idle between two steps from the end event of one to the start event of the next:
 that start event only runs once the host has enqueued it, so the gap is the time the device
@@ -47,28 +47,34 @@ class StepTimer:
         self._engine, self._waited = engine, engine.counters.device_wait_s
 
         @torch.no_grad()
-        def launch(sched: Any, prev: Any) -> Any:
+        def launch_model(sched: Any, prev: Any) -> Any:
             self._count_wait()
             self.begin_step(sched.num_tokens, len(sched.seqs))
             inputs = executor.runner.prepare(
                 sched, prev.sample_seqs if prev is not None else None)
             self.mark("gpu_start")
             step, hidden = executor.forward(sched, inputs, prev)
-            if sched.sample_seqs:
-                logits = executor.logits(hidden)
-                self.mark("sample")
-                executor.sample(sched, inputs, logits, step, prev)
-            self.end_step()
-            return step
+            if not sched.sample_seqs:
+                self.end_step()
+                return step, inputs, None
+            return step, inputs, executor.logits(hidden)
 
-        executor.launch = launch
+        sample = executor.sample
+
+        @torch.no_grad()
+        def timed_sample(*args: Any) -> None:
+            self.mark("sample")
+            sample(*args)
+            self.end_step()
+
+        executor.launch_model, executor.sample = launch_model, timed_sample
         return self
 
     def detach(self) -> None:
-        """Puts the executor's own ``launch`` back and counts the last step's wait."""
+        """Puts the executor's own methods back and counts the last step's wait."""
         if self._engine is not None:
             self._count_wait()
-            del self._engine.executor.launch
+            del self._engine.executor.launch_model, self._engine.executor.sample
             self._engine = None
 
     def _count_wait(self) -> None:

@@ -11,8 +11,9 @@ recompute never lose or double a token. After a step's sampler launch, ``advance
 ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
 matchers (one parallel llguidance call), fills the masks that follow (one parallel call) into
 a pinned host buffer and uploads them to a device buffer (on a copy stream beside the queued
-forward), while the stepping thread goes on; the next ``step_mask`` takes them and fills and
-uploads the rows the ahead fill did not cover. Library choice and measurements:
+forward), while the stepping thread goes on (it launches the next forward, then processes
+the step's outputs once the ids are accepted, :meth:`wait_accepted`); the next ``step_mask``
+takes the masks and fills and uploads the rows the ahead fill did not cover. Library choice and measurements:
 docs/structured_outputs.md.
 """
 
@@ -77,6 +78,7 @@ class StructuredOutputs:
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
         self._ahead_of: Any = None  # ... after the step of this output
         self._done: _AheadFill | None = None  # its masks, for the next step_mask
+        self._accepted = threading.Event()  # set when the running ahead fill has accepted
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -162,8 +164,8 @@ class StructuredOutputs:
         What needs no sampled id is done here, off the fill's path: the rows in template
         order, each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``; the
         ahead fill takes it back from a row that refuses its token) and the lists of its
-        llguidance calls. The ahead fill uploads its masks itself, and notes where the
-        grammars ended after the upload is queued."""
+        llguidance calls. The ahead fill notes where the grammars ended right after its
+        accept (:meth:`wait_accepted` returns then), and uploads its masks itself."""
         self.settle()
         self.buffers.mark_read()  # the sampler that reads the last step_mask's masks is queued
         picked, rows = [], []
@@ -188,9 +190,10 @@ class StructuredOutputs:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
         matchers = [grammar.matcher for grammar in picked]
         plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
-                          matchers, list(zip(matchers, range(len(picked)))))
+                          matchers, list(zip(matchers, range(len(picked)))), threading.Event())
         self._ahead = self._ahead_pool.submit(self._advance, plan, output)
         self._ahead_of = output
+        self._accepted = plan.accepted
 
     def settle(self, output: Any = None) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
@@ -202,22 +205,42 @@ class StructuredOutputs:
         if future is not None:
             self._done = future.result()
 
+    def filling_after(self, output: Any) -> bool:
+        """Whether an ahead fill runs after the step of ``output`` (the next step's masks
+        come from it)."""
+        return self._ahead is not None and output is self._ahead_of
+
+    def wait_accepted(self, output: Any) -> None:
+        """Waits until the ahead fill after the step of ``output`` (if one runs) has
+        accepted that step's sampled ids and noted where the grammars ended; its masks may
+        still be filling. From then until :meth:`settle`, the stepping thread may read what
+        the output processor reads (:meth:`SequenceGrammar.error_by`, ``ended_by``), and
+        call the matchers of rows outside the fill, but no matcher of its rows."""
+        if not self.filling_after(output):
+            return
+        future = self._ahead
+        while not self._accepted.wait(0.05):
+            if future.done():  # it failed before accepting: its error is raised here
+                future.result()
+                return
+
     def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
-        tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
-        grammars, targets = plan.grammars, plan.targets
-        if not self._accept_par(grammars, tokens, stopped=False,
-                                matchers=plan.matchers):  # some row refused its token
-            for grammar in grammars:
-                if grammar.error is not None:
-                    grammar.mask_turn = -1  # it takes no mask
-            grammars = [grammar for grammar in grammars if grammar.error is None]
-            targets = [(grammar.matcher, grammar.mask_row) for grammar in grammars]
+        try:
+            tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
+            grammars, targets = plan.grammars, plan.targets
+            if not self._accept_par(grammars, tokens, matchers=plan.matchers):
+                for grammar in grammars:  # some row refused its token
+                    if grammar.error is not None:
+                        grammar.mask_turn = -1  # it takes no mask
+                grammars = [grammar for grammar in grammars if grammar.error is None]
+                targets = [(grammar.matcher, grammar.mask_row) for grammar in grammars]
+        finally:
+            plan.accepted.set()  # the step's outputs may be processed during the fill
         masks = plan.masks
         if grammars:
             self._fill(targets, masks.host)
             if masks.dev is not None:
                 self.buffers.upload(masks, 0, len(plan.grammars))
-            SequenceGrammar.check_stopped(grammars)
         return _AheadFill(masks, plan.turn, len(plan.grammars))
 
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
@@ -300,17 +323,16 @@ class StructuredOutputs:
         self._fill(matchers, buf)
 
     def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int],
-                    stopped: bool = True, matchers: list | None = None) -> bool:
+                    matchers: list | None = None) -> bool:
         """Each of ``grammars`` (in template order, so that each thread takes a contiguous
-        run of one template) accepts its token of ``tokens``, in one parallel call; whether
-        every row took its token. Without ``stopped`` the caller
-        checks where the grammars ended (:meth:`SequenceGrammar.check_stopped`) when all
-        accepted; ``matchers``: the grammars' matchers, when the caller has them."""
+        run of one template) accepts its token of ``tokens``, in one parallel call, and notes
+        where its grammar ended; whether every row took its token. ``matchers``: the
+        grammars' matchers, when the caller has them."""
         if matchers is None:
             matchers = [grammar.matcher for grammar in grammars]
         accepted = self._fill_executor().consume_token_par(list(zip(matchers, tokens)))
         if all(accepted):
-            SequenceGrammar.all_accepted(grammars, stopped)
+            SequenceGrammar.all_accepted(grammars)
             return True
         for grammar, token, ok in zip(grammars, tokens, accepted):
             grammar.accepted(ok, token)
@@ -352,6 +374,7 @@ class _AheadPlan:
     masks: Masks
     matchers: list
     targets: list
+    accepted: threading.Event  # set once the sampled ids are accepted (or the fill failed)
 
 
 @dataclass(slots=True)

@@ -103,14 +103,12 @@ class SequenceGrammar:
             self.stopped_at = self.num_accepted
 
     @staticmethod
-    def all_accepted(grammars: list[SequenceGrammar], stopped: bool = True) -> None:
+    def all_accepted(grammars: list[SequenceGrammar]) -> None:
         """:meth:`accepted` of a token each of ``grammars`` took (none of them with an error),
-        in one loop (a parallel accept's rows); without ``stopped`` the caller runs
-        :meth:`check_stopped` later (before anyone reads ``ended_by``)."""
+        in one loop (a parallel accept's rows)."""
         for grammar in grammars:
             grammar.num_accepted += 1
-        if stopped:
-            SequenceGrammar.check_stopped(grammars)
+        SequenceGrammar.check_stopped(grammars)
 
     @staticmethod
     def check_stopped(grammars: list[SequenceGrammar]) -> None:

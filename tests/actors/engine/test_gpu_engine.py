@@ -65,11 +65,11 @@ def _capture_logits(engine: Engine) -> dict:
     runner = engine.executor.runner
     seen: dict = {}
     current: list = []
-    launch, execute = engine.executor.launch, runner.execute
+    launch_model, execute = engine.executor.launch_model, runner.execute
 
-    def wrapped_launch(sched, prev):
+    def wrapped_launch_model(sched, prev):
         current[:] = [sched]
-        return launch(sched, prev)
+        return launch_model(sched, prev)
 
     def wrapped_execute(inputs, prev):
         hidden = execute(inputs, prev)
@@ -80,7 +80,7 @@ def _capture_logits(engine: Engine) -> dict:
                 seen[(chunk.seq.request.request_id, chunk.start + j)] = logits[base + j]
         return hidden
 
-    engine.executor.launch, runner.execute = wrapped_launch, wrapped_execute
+    engine.executor.launch_model, runner.execute = wrapped_launch_model, wrapped_execute
     return seen
 
 

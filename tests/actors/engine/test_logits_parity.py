@@ -24,7 +24,7 @@ def capture_logits(engine: Engine) -> dict:
     original_execute = runner.execute
     current: list = []
 
-    def launch(sched, prev, _orig=engine.executor.launch):
+    def launch_model(sched, prev, _orig=engine.executor.launch_model):
         current[:] = [sched]
         return _orig(sched, prev)
 
@@ -41,7 +41,7 @@ def capture_logits(engine: Engine) -> dict:
                 rows[chunk.start + j] = logits[base + j].clone()
         return hidden
 
-    engine.executor.launch = launch
+    engine.executor.launch_model = launch_model
     runner.execute = execute
     return seen
 

@@ -1,0 +1,85 @@
+"""The engine's step order with structured outputs: while the next step's masks fill (the
+ahead fill), the previous step's outputs are processed between the forward's launch and the
+sampler's, and the sequences that finished are freed only after that sampler's launch. The
+outputs equal those of the order that launches the whole step first."""
+
+from __future__ import annotations
+
+from sampler import SamplingParams
+from tests.actors.engine.structured_checks import DATE_REGEX, PERSON_SCHEMA, check_output
+from tests.actors.helpers import by_id, make_engine, random_prompts
+
+JSON = {"json": PERSON_SCHEMA, "disable_any_whitespace": True}
+REGEX = {"regex": DATE_REGEX}
+
+
+def _requests() -> list:
+    """Constrained rows that end at different steps (grammar ends, short max_tokens), two
+    samples of one, top logprobs on one, and unconstrained rows beside them."""
+    prompts = random_prompts([6, 11, 4, 9, 7, 5, 8], 512, seed=21)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=40, seed=3, structured_outputs=JSON),
+        SamplingParams(temperature=1.0, max_tokens=12, seed=4, structured_outputs=JSON),
+        SamplingParams(temperature=1.0, max_tokens=30, seed=5, structured_outputs=REGEX, n=2),
+        SamplingParams(temperature=1.0, max_tokens=30, seed=6, structured_outputs=REGEX,
+                       logprobs=3),
+        SamplingParams(temperature=1.0, max_tokens=7, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=40, seed=8,
+                       structured_outputs={"choice": ["alpha", "beta gamma"]}),
+    ]
+    return [(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+
+def _run(model: str, split: bool) -> tuple[dict, list[str]]:
+    """The outputs by (id, sample index), and the engine's calls in order: ``model`` (inputs,
+    forward, LM head), ``sample`` and ``process`` (a launched step read back)."""
+    engine = make_engine(model)
+    calls: list[str] = []
+    executor = engine.executor
+    launch_model, sample, process = executor.launch_model, executor.sample, engine._process
+
+    def spy_model(*args):
+        calls.append("model")
+        return launch_model(*args)
+
+    def spy_sample(*args):
+        calls.append("sample")
+        return sample(*args)
+
+    def spy_process(step, release=True):
+        calls.append("process")
+        return process(step, release)
+
+    executor.launch_model, executor.sample, engine._process = spy_model, spy_sample, spy_process
+    if not split:  # the launch-first order at every step
+        engine.structured.filling_after = lambda output: False
+    try:
+        outputs = by_id(engine.generate(_requests()))
+        assert engine.structured.num_active == 0 and not engine.scheduler.running
+        assert engine.sampler.state.active.sum() == 0  # every slot freed
+    finally:
+        engine.close()
+    return outputs, calls
+
+
+def _between(calls: list[str]) -> int:
+    """How many steps processed the step before between their forward and their sampler."""
+    return sum(calls[i:i + 3] == ["model", "process", "sample"] for i in range(len(calls)))
+
+
+def test_outputs_processed_while_the_masks_fill_equal_the_launch_first_order(tiny_llama):
+    split, split_calls = _run(tiny_llama, split=True)
+    first, first_calls = _run(tiny_llama, split=False)
+    assert _between(first_calls) == 0
+    assert _between(split_calls) >= 10  # every decode step after the first with masks
+    assert split.keys() == first.keys() and len(split) == 8
+    for key, out in split.items():
+        other = first[key]
+        assert out.output_token_ids == other.output_token_ids, key
+        assert (out.finish_reason, out.stop_reason) == (other.finish_reason, other.stop_reason)
+        assert out.logprobs == other.logprobs and out.top_logprobs == other.top_logprobs
+    assert split[(1, 0)].finish_reason == "length" and split[(4, 0)].num_output_tokens == 7
+    for i, so in ((0, JSON), (2, REGEX), (3, REGEX)):
+        if split[(i, 0)].finish_reason == "stop":
+            check_output(split[(i, 0)], so)
