@@ -12,7 +12,7 @@ synchronising operations it reports (none is a good answer; the mode does not se
     source .carry/activate.sh; export PYTHONPATH=$PWD:$PYTHONPATH
     python3 benchmarks/step_phases.py
 """
-import sys, time, warnings, collections
+import sys, warnings, collections
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from pathlib import Path
