@@ -222,7 +222,8 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         r.pop("lengths")
     return {"unconstrained": plain, **shared, "distinct_schemas": distinct,
             "one_schema_ratio": shared["one_schema"]["ratio_to_same_lengths"],
-            "compile_s_per_schema": compile_s, "compile_threads": engine.structured.num_threads,
+            "compile_s_per_schema": compile_s,
+            "compile_threads": engine.structured.compiler.num_threads,
             "sampler_backend": engine.sampler.backend, "sampler_steps": masks}
 
 

@@ -2,24 +2,23 @@
 grammar matcher per sequence, and each step's packed token masks.
 
 ``StructuredOutputs.submit`` compiles a request's constraint once per distinct constraint
-(a cache keyed by its canonical text) on a small thread pool; the scheduler admits the
-request only once its future is done, and a constraint that does not compile becomes the
-request's error before any device work. Each sequence (each of n samples) gets its own
-matcher (:class:`~actors.engine.structured_sequence.SequenceGrammar`), which accepts the
-sequence's output tokens in order and only once (``num_accepted``), so preemption and
-recompute never lose or double a token. After a step's sampler launch, ``advance`` starts the
-ahead fill on a thread of its own: once the step's sampled ids are on the host it advances the
-matchers (one parallel llguidance call), fills the masks that follow (one parallel call) into
-a pinned host buffer and uploads them to a device buffer (on a copy stream beside the queued
-forward), while the stepping thread goes on (it launches the next forward, then processes
-the step's outputs once the ids are accepted, :meth:`wait_accepted`); the next ``step_mask``
-takes the masks and fills and uploads the rows the ahead fill did not cover. Library choice and measurements:
+(:mod:`actors.engine.structured_compile`); the scheduler admits the request only once its
+future is done, and a constraint that does not compile becomes the request's error before any
+device work. Each sequence (each of n samples) gets its own matcher
+(:class:`~actors.engine.structured_sequence.SequenceGrammar`), which accepts the sequence's
+output tokens in order and only once (``num_accepted``), so preemption and recompute never
+lose or double a token. After a step's sampler launch, ``advance`` starts the ahead fill on a
+thread of its own: once the step's sampled ids are on the host it advances the matchers (one
+parallel llguidance call), fills the masks that follow (one parallel call) into a pinned host
+buffer and uploads them to a device buffer (on a copy stream beside the queued forward), while
+the stepping thread goes on (it launches the next forward, then processes the step's outputs
+once the ids are accepted, :meth:`wait_accepted`); the next ``step_mask`` takes the masks and
+fills and uploads the rows the ahead fill did not cover. Library choice and measurements:
 docs/structured_outputs.md.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
@@ -30,16 +29,16 @@ import torch
 
 from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
+from actors.engine.structured_compile import ConstraintCompiler
 from actors.engine.structured_masks import Masks, MaskBuffers
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
-logger = logging.getLogger(__name__)
-
 
 class StructuredOutputs:
-    """Compiler cache, per-sequence matchers and step masks of one engine.
+    """Compiled constraints (:class:`ConstraintCompiler`), per-sequence matchers and step
+    masks of one engine.
 
     Args:
         tokenizer: the model's Hugging Face tokenizer.
@@ -63,15 +62,12 @@ class StructuredOutputs:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
-        self.num_threads = max(1, num_threads)
+        self.compiler = ConstraintCompiler(tokenizer, vocab_size=vocab_size,
+                                           eos_token_ids=eos_token_ids, num_threads=num_threads)
         self.fill_threads = fill_threads or max(2, min(16, usable_cpus() - 2))
         self.max_templates = max_templates or self.fill_threads
         self.words = (vocab_size + 31) // 32
         self.num_active = 0  # sequences holding a matcher (host predicate of step_mask)
-        self._pool: ThreadPoolExecutor | None = None
-        self._cache: dict[str, Future] = {}
-        self._lock = threading.Lock()
-        self._ll_tokenizer = None
         self._executor = None
         self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
@@ -85,46 +81,12 @@ class StructuredOutputs:
 
     # ------------------------------------------------------------------ compiling
     def submit(self, so: StructuredOutputsParams) -> Future:
-        """The future of ``so``'s :class:`CompiledConstraint` (one compile per distinct
-        constraint; any thread)."""
-        key = so.key
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.num_threads,
-                                                    thread_name_prefix="grammar-compile")
-                future = self._cache[key] = self._pool.submit(self._compile, so)
-            return future
+        """The future of ``so``'s :class:`CompiledConstraint` (:meth:`ConstraintCompiler.
+        submit`; any thread)."""
+        return self.compiler.submit(so)
 
     def _tokenizer(self) -> Any:
-        with self._lock:
-            if self._ll_tokenizer is None:
-                import llguidance.hf
-
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-            return self._ll_tokenizer
-
-    def _compile(self, so: StructuredOutputsParams) -> CompiledConstraint:
-        import llguidance
-
-        from actors.engine.structured_grammar import to_lark
-
-        field = f"sampling_params.structured_outputs.{so.kind}"
-        try:
-            grammar = to_lark(so)
-            tokenizer = self._tokenizer()
-            problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-            if problem:
-                return CompiledConstraint(error=f"{field}: {problem.strip()[:500]}")
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                return CompiledConstraint(error=f"{field}: {matcher.get_error()[:500]}")
-            return CompiledConstraint(template=matcher, grammar=grammar)
-        except Exception as exc:  # noqa: BLE001 - any failure is this constraint's error
-            logger.debug("constraint %s failed to compile", so.key[:200], exc_info=True)
-            return CompiledConstraint(error=f"{field}: {type(exc).__name__}: {exc}"[:600])
+        return self.compiler.ll_tokenizer()
 
     @staticmethod
     def wait_any(futures: list[Future], timeout: float) -> None:
@@ -356,9 +318,7 @@ class StructuredOutputs:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self.compiler.close()
 
 
 @dataclass(slots=True)

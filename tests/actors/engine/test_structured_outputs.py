@@ -205,13 +205,13 @@ def test_compiles_once_per_distinct_constraint_and_compiling_rows_wait(llama_eng
     assert a is b and a.result().error is None
 
     release = threading.Event()
-    compile_now = structured._compile
+    compile_now = structured.compiler._compile
 
     def slow_compile(constraint):
         release.wait(timeout=60)
         return compile_now(constraint)
 
-    structured._compile = slow_compile
+    structured.compiler._compile = slow_compile
     try:
         llama_engine.add_request("slow", "Hi", _params({"regex": r"q[0-9]{2}z"}, seed=1))
         llama_engine.add_request("fast", "Hi", SamplingParams(max_tokens=3, seed=2))
@@ -222,7 +222,7 @@ def test_compiles_once_per_distinct_constraint_and_compiling_rows_wait(llama_eng
         slow = llama_engine.book.requests["slow"].sequences[0]
         assert slow in llama_engine.scheduler.waiting and slow.slot == -1
     finally:
-        structured._compile = compile_now
+        structured.compiler._compile = compile_now
         release.set()
     outs = []
     while llama_engine.has_unfinished_requests():
