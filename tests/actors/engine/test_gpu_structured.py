@@ -84,3 +84,22 @@ def test_seeded_constrained_rows_equal_with_and_without_graphs_and_alone(gpu_mod
             assert [(o.output_token_ids, o.finish_reason) for o in alone] == results[True][:3]
         del engine
     assert results[True] == results[False]
+
+
+def test_outputs_read_while_the_masks_fill_equal_the_launch_first_order(gpu_model):
+    """The step order of ``Engine._launch`` with masks filled ahead (the previous step read
+    back between the forward's launch and the sampler's, its finished rows freed after the
+    sampler's launch) against launching every step first, on the GPU with graphs: the same
+    tokens, finish reasons and logprobs."""
+    requests = _requests()
+    results = {}
+    for split in (True, False):
+        engine = _engine(gpu_model, sampler_backend="triton")
+        if not split:
+            engine.structured.filling_after = lambda output: False
+        outs = engine.generate(requests)
+        _check(outs, requests)
+        results[split] = [(o.output_token_ids, o.finish_reason, o.logprobs) for o in outs]
+        assert engine.sampler.state.active.sum() == 0  # every slot freed
+        del engine
+    assert results[True] == results[False]
