@@ -83,3 +83,40 @@ def test_outputs_processed_while_the_masks_fill_equal_the_launch_first_order(tin
     for i, so in ((0, JSON), (2, REGEX), (3, REGEX)):
         if split[(i, 0)].finish_reason == "stop":
             check_output(split[(i, 0)], so)
+
+
+def test_a_step_is_read_back_while_the_next_masks_still_fill(tiny_llama):
+    """The ahead fill's mask fill is held until the stepping thread has read the previous
+    step back: that read-back needs only the accept (``wait_accepted``), so it completes
+    while the fill waits, and the run finishes. (Waiting for the whole fill there would
+    leave the held fill waiting for a read-back that never comes: a failed fill.)"""
+    import threading
+
+    engine = make_engine(tiny_llama)
+    structured = engine.structured
+    fill, gate = structured._fill, threading.Event()
+
+    def held_fill(targets, buf):
+        if threading.current_thread() is not threading.main_thread():  # the ahead fill's
+            assert gate.wait(30), "the step before was not read back during the fill"
+            gate.clear()
+        fill(targets, buf)
+
+    process, during = engine._process, []
+
+    def spy_process(step, release=True):
+        if release and structured.filling_after(step.output):  # (read back after it)
+            gate.set()
+        out = process(step, release)
+        if not release:  # the fill of the masks after this step's ids has not finished
+            during.append(structured._ahead is not None and not structured._ahead.done())
+            gate.set()
+        return out
+
+    structured._fill, engine._process = held_fill, spy_process
+    try:
+        outputs = by_id(engine.generate(_requests()))
+    finally:
+        engine.close()
+    assert sum(during) >= 10
+    assert len(outputs) == 8 and all(o.error is None for o in outputs.values())
