@@ -114,7 +114,7 @@ def run_waves(batch: int, output_len: int, model: str) -> dict[str, float]:
     _time_calls(engine, "_admit_to_sampler", admitted)
     _time_calls(engine, "_process", lambda seconds, args: step_s.update(_process=seconds))
     launches: list[float] = []
-    _time_calls(engine.executor, "launch", lambda seconds, args: launches.append(
+    _time_calls(engine.executor, "launch_model", lambda seconds, args: launches.append(
         time.perf_counter() - seconds))
     admit, finish = [], []
     with frozen_heap():  # as e2e_bench's timed runs: no full collection inside the steps

@@ -64,7 +64,6 @@ class StepExecutor:
         self.chunk = prompt_logprobs_chunk
         self.structured = structured
 
-    @torch.no_grad()
     def launch(self, sched: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         """Launches ``sched``; decode inputs still PENDING come from ``prev``'s sampled ids.
         The phases are methods so that a benchmark's ``StepTimer`` can time each of them

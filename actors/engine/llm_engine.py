@@ -201,32 +201,29 @@ class Engine:
                 or not self.structured.filling_after(prev.output)):
             launched = None if sched.is_empty else executor.launch(sched, prev)
             if prev is not None:
-                self._process(prev)
+                self.book.release(self._process(prev))
+                self.structured.settle(prev.output)  # a fill no step after it took: joined
             return launched
         launched, inputs, logits = executor.launch_model(sched, prev)
-        finished = self._process(prev, release=False)
+        finished = self._process(prev)
         try:
             executor.sample(sched, inputs, logits, launched, prev)
         finally:
             self.book.release(finished)
         return launched
 
-    def _process(self, step: InflightStep, release: bool = True) -> list[Sequence]:
-        """Reads a launched step back: prompt logprobs, sampled tokens, finished
-        sequences' outputs. Without ``release`` it waits only for the structured-output
-        accept of the step's tokens (not for the masks after them) and returns the
-        sequences that finished, for :meth:`RequestBook.release` once the next sampler is
-        launched."""
+    def _process(self, step: InflightStep) -> list[Sequence]:
+        """Reads a launched step back: prompt logprobs, sampled tokens, finished sequences'
+        outputs; returns the sequences that finished, for :meth:`RequestBook.release`. With
+        an ahead fill after the step it waits only for that fill's accept of the step's
+        tokens (``StructuredOutputs.wait_accepted``), not for the masks after them."""
         for scores in step.prompt_scores:
             host = scores.output.get()
             self.outputs.record_prompt_logprobs(
                 scores.request, scores.positions, host.logprobs, host.topk_ids, host.topk_values)
         if step.output is None:
             return []
-        if release:
-            self.structured.settle(step.output)  # its matchers (when no step since took them)
-        else:
-            self.structured.wait_accepted(step.output)
+        self.structured.wait_accepted(step.output)
         waited, cpu_waited = time.perf_counter(), time.thread_time()
         host = step.output.get()
         counters = self.counters
@@ -239,9 +236,8 @@ class Engine:
         done = outputs.apply_step(step.sample_seqs, step.pending_pos, tokens, extra,
                                   host.logprobs, host.ranks, host.topk_ids, host.topk_values)
         if done:  # after the logprobs: a finished sequence's output is built now
-            self.book.ready += self.book.finish_all(done, outputs.top_logprobs_of(done),
-                                                    release=release)
-        return [] if release else done
+            self.book.ready += self.book.finish_all(done, outputs.top_logprobs_of(done))
+        return done
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, requests: Iterable[tuple[Any, Any, Any]], *,

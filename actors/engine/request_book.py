@@ -125,17 +125,14 @@ class RequestBook:
         for seq in list(request.sequences):
             if not seq.is_finished:
                 self.outputs.abort(seq)
+                self.release([seq])
                 self.ready += self.finish_all([seq], {})
         self.ready += self.outputs.unforked_abort_outputs(request)
         self.requests.pop(request_id, None)
 
-    def finish_all(self, seqs: list[Sequence], tops: dict,
-                   release: bool = True) -> list[GenerationOutput]:
-        """The outputs of finished sequences (``tops``: their top logprobs by ``id(seq)``);
-        their pages and slots freed (:meth:`release`; without ``release`` the caller calls it
-        later), one write a sampler table for them all."""
-        if release:
-            self.release(seqs)
+    def finish_all(self, seqs: list[Sequence], tops: dict) -> list[GenerationOutput]:
+        """The outputs of finished sequences (``tops``: their top logprobs by ``id(seq)``),
+        their matchers released; their pages and slots are freed by :meth:`release`."""
         structured, requests, build = self.structured, self.requests, self.outputs.build
         outputs = []
         for seq in seqs:
@@ -148,6 +145,7 @@ class RequestBook:
         return outputs
 
     def release(self, seqs: list[Sequence]) -> None:
-        """Frees finished sequences' pages and sampler slots."""
+        """Frees finished sequences' pages and sampler slots (one write a sampler table for
+        them all)."""
         if seqs:
             self.sampler.remove_requests(self.scheduler.finish_all(seqs))

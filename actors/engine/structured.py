@@ -74,7 +74,7 @@ class StructuredOutputs:
         self._ahead: Future | None = None  # the ahead fill running (see advance) ...
         self._ahead_of: Any = None  # ... after the step of this output
         self._done: _AheadFill | None = None  # its masks, for the next step_mask
-        self._accepted = threading.Event()  # set when the running ahead fill has accepted
+        self._accepted: threading.Event | None = None  # that fill's, set once it accepted
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -178,13 +178,8 @@ class StructuredOutputs:
         still be filling. From then until :meth:`settle`, the stepping thread may read what
         the output processor reads (:meth:`SequenceGrammar.error_by`, ``ended_by``), and
         call the matchers of rows outside the fill, but no matcher of its rows."""
-        if not self.filling_after(output):
-            return
-        future = self._ahead
-        while not self._accepted.wait(0.05):
-            if future.done():  # it failed before accepting: its error is raised here
-                future.result()
-                return
+        if self.filling_after(output):
+            self._accepted.wait()  # set by the fill even when it fails (its error: settle)
 
     def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
         try:

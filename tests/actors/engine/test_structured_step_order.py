@@ -47,9 +47,9 @@ def _run(model: str, split: bool) -> tuple[dict, list[str]]:
         calls.append("sample")
         return sample(*args)
 
-    def spy_process(step, release=True):
+    def spy_process(step):
         calls.append("process")
-        return process(step, release)
+        return process(step)
 
     executor.launch_model, executor.sample, engine._process = spy_model, spy_sample, spy_process
     if not split:  # the launch-first order at every step
@@ -104,12 +104,11 @@ def test_a_step_is_read_back_while_the_next_masks_still_fill(tiny_llama):
 
     process, during = engine._process, []
 
-    def spy_process(step, release=True):
-        if release and structured.filling_after(step.output):  # (read back after it)
-            gate.set()
-        out = process(step, release)
-        if not release:  # the fill of the masks after this step's ids has not finished
-            during.append(structured._ahead is not None and not structured._ahead.done())
+    def spy_process(step):
+        filling = structured.filling_after(step.output)  # a fill after this step's ids
+        out = process(step)
+        if filling:  # read back; has that fill finished?
+            during.append(not structured._ahead.done())
             gate.set()
         return out
 
