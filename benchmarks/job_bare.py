@@ -37,8 +37,7 @@ def save_text_tokenizer(model_dir: Path, vocab_size: int) -> None:
     the Qwen tokenizer (``structured_bench.qwen_tokenizer``) in its place."""
     if vocab_size <= 512:
         return
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from structured_bench import qwen_tokenizer
+    from structured_bench import qwen_tokenizer  # (the benchmarks directory is on the path)
 
     qwen_tokenizer().save_pretrained(model_dir)
 
