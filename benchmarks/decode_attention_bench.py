@@ -6,9 +6,11 @@ tensor-core decode and the KV read floor, on random pages in random order.
     TRITON_INTERPRET=1 python benchmarks/decode_attention_bench.py --shapes tiny --quick  # CPU
 
 Per shape (rows, query / KV heads, head dim, context range; 16-token pages): each
-(keys a block, warps, stages, chunk) of the sweep timed alone (CUDA events around 20 calls,
-median of 5), its output checked against the engine's tile; FlashInfer (when installed) on the
-same pages; the floor is the pages' bytes at the measured copy bandwidth.
+(keys a block, warps, stages, chunk) of the sweep timed alone, its output checked against the
+engine's tile: ``us`` from CUDA events around the replay of a CUDA graph of 20 calls (as the
+engine's graphed decode step runs it, no launch cost), ``eager_us`` around 20 calls launched
+one by one, each the median of 5; FlashInfer (when installed) on the same pages, launched
+eagerly; the floor is the pages' bytes at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -51,19 +53,35 @@ def pages_of(rows: int, kv_heads: int, dim: int, lo: int, hi: int, dev: torch.de
     return (pages.to(dev), indptr.to(dev), indices.to(dev), last.to(dev), kv_bytes)
 
 
-def time_us(fn, calls: int = 20, reps: int = 5) -> float:
+def time_us(fn, calls: int = 20, reps: int = 5, graph: bool = False) -> float:
     """Microseconds a call: CUDA events around ``calls`` calls, the median of ``reps`` (the
-    host's clock on the CPU)."""
+    host's clock on the CPU). ``graph``: the calls captured once in a CUDA graph and the
+    events around its replays, so the host's launches are not in the figure."""
     fn()
     if not torch.cuda.is_available():
         return statistics.median(_host_us(fn) for _ in range(reps))
+    torch.cuda.synchronize()
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a call on a side stream before the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            run()
+        run = cuda_graph.replay
+        run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        run()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
@@ -128,23 +146,25 @@ def sweep(name: str, quick: bool, tbps: float) -> dict:
                                     num_stages=ns)
         try:
             diff = (call().float() - ref.float()).abs().max().item()
-            us = time_us(call)
+            us, eager_us = time_us(call, graph=True), time_us(call)
         except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run (resources)
             print(f"{name} {block_n}/{nw}/{ns}/{chunk}: {type(exc).__name__}", flush=True)
             continue
         results.append({"block_n": block_n, "num_warps": nw, "num_stages": ns, "chunk": chunk,
-                        "splits": splits, "us": us, "max_abs_diff": diff})
+                        "splits": splits, "us": us, "eager_us": eager_us, "max_abs_diff": diff})
         print(f"{name} block {block_n} warps {nw} stages {ns} chunk {chunk}: {us:.1f} us "
-              f"(diff {diff:.2e})", flush=True)
+              f"graphed, {eager_us:.1f} eager (diff {diff:.2e})", flush=True)
     best = min(results, key=lambda r: r["us"])
     engine = next(r for r in results if (r["block_n"], r["num_warps"], r["num_stages"],
                                          r["chunk"]) == (*ENGINE_TILE, 512))
     fi = flashinfer_us(q, pages, indptr, indices, last, heads, kv_heads, dim, scale)
     summary = {"shape": dict(zip(("rows", "heads", "kv_heads", "head_dim", "min_context",
                                   "max_context"), SHAPES[name])),
-               "kv_read_floor_us": floor_us, "engine_tile_us": engine["us"], "best": best,
+               "kv_read_floor_us": floor_us, "engine_tile_us": engine["us"],
+               "engine_tile_eager_us": engine["eager_us"], "best": best,
                "flashinfer_us": fi, "sweep": results}
-    print(f"{name}: floor {floor_us:.1f} us, engine tile {engine['us']:.1f}, best "
+    print(f"{name}: floor {floor_us:.1f} us, engine tile {engine['us']:.1f} graphed "
+          f"({engine['eager_us']:.1f} eager), best "
           f"{best['us']:.1f} ({best['block_n']}/{best['num_warps']}/{best['num_stages']}/"
           f"{best['chunk']}), FlashInfer {fi if fi is None else round(fi, 1)}", flush=True)
     return summary

@@ -17,6 +17,7 @@ def test_tiny_sweep_checks_every_tile_and_writes_json(tmp_path):
     assert all(r["max_abs_diff"] < 1e-2 for r in sweep)
     assert tiny["best"]["us"] == min(r["us"] for r in sweep)
     assert tiny["engine_tile_us"] in [r["us"] for r in sweep]
+    assert all(r["eager_us"] > 0 for r in sweep)  # the launch-by-launch figure beside it
     rows, _, kv_heads, dim, lo, hi = bench.SHAPES["tiny"]
     # the floor: the rows' K and V bytes at the measured copy rate
     assert 0 < tiny["kv_read_floor_us"] <= rows * hi * kv_heads * dim * 4 / (
