@@ -130,7 +130,7 @@ def sweep(name: str, quick: bool, tbps: float) -> dict:
     ref = decode_attention(q, pages, indptr, indices, last, scale, chunk=512, max_splits=1,
                            block_n=ENGINE_TILE[0], num_warps=ENGINE_TILE[1],
                            num_stages=ENGINE_TILE[2])
-    blocks = (32, 64) if quick else (32, 64, 128)
+    blocks = (64, 128) if quick else (32, 64, 128)
     warps = (2, 4) if quick else (1, 2, 4)
     stages = (2, 3) if quick else (1, 2, 3)
     chunks = (512,) if quick else (512, 128)
