@@ -11,7 +11,7 @@ from tests.benchmarks.helpers import load_benchmark
 def test_tiny_workload_writes_every_figure(tmp_path):
     bench = load_benchmark("structured_bench")
     result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
-                         "--reps", "2", "--compile-samples", "4",
+                         "--reps", "2", "--compile-samples", "4", "--pairs", "2",
                          "--max-batched-tokens", "128", "--trace"])
     saved = json.loads((tmp_path / "structured_bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
@@ -23,6 +23,14 @@ def test_tiny_workload_writes_every_figure(tmp_path):
         assert run["finish_reasons"]["error"] == 0
         assert sum(run["finish_reasons"].values()) == n and run["output_tok_s"] > 0
     assert result["one_schema_ratio"] > 0 and result["compile_s_per_schema"] > 0
+    # the ratio is of the medians of alternating timed pairs, each pair the same tokens
+    one = result["one_schema"]
+    pairs = one["pairs_out_tok_s"]
+    assert len(pairs) == 2 and one["lengths_as_warm_up"]
+    assert one["output_tok_s"] == min(g for g, _ in pairs)  # of two, the slower
+    assert result["one_schema_unconstrained"]["output_tok_s"] == min(u for _, u in pairs)
+    assert result["one_schema_ratio"] == one["output_tok_s"] / min(u for _, u in pairs)
+    assert result["one_schema_unconstrained"]["output_tokens"] == one["output_tokens"]
     # --trace: the ahead fill's phases of each constrained run, a call each step it ran
     trace = result["one_schema"]["trace"]
     for phase in ("ids_wait", "accept", "fill", "ahead", "step_mask"):
