@@ -282,7 +282,7 @@ def raw_fill(structured, live: list, threads: int, args) -> dict:
 
     live = [s for s in live if s.grammar.num_accepted]
     compiled = live[0].request.grammar.result()
-    lt = structured._tokenizer()
+    lt = structured.compiler.ll_tokenizer()
     history = [s.token_ids[s.num_prompt:s.num_prompt + s.grammar.num_accepted] for s in live]
 
     def replayed(make) -> list:

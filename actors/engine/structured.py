@@ -57,9 +57,6 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Seq[int],
                  device: torch.device, max_num_seqs: int, num_threads: int = 2,
                  fill_threads: int | None = None, max_templates: int | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.compiler = ConstraintCompiler(tokenizer, vocab_size=vocab_size,
@@ -85,9 +82,6 @@ class StructuredOutputs:
         submit`; any thread)."""
         return self.compiler.submit(so)
 
-    def _tokenizer(self) -> Any:
-        return self.compiler.ll_tokenizer()
-
     @staticmethod
     def wait_any(futures: list[Future], timeout: float) -> None:
         """Blocks until one of ``futures`` is done or ``timeout`` seconds passed."""
@@ -99,7 +93,7 @@ class StructuredOutputs:
         kept through a preemption up to its known tokens."""
         if seq.grammar is None:
             compiled: CompiledConstraint = seq.request.grammar.result()
-            matcher, group = compiled.next_copy(self._tokenizer(), self.max_templates)
+            matcher, group = compiled.next_copy(self.compiler.ll_tokenizer(), self.max_templates)
             seq.grammar = SequenceGrammar(matcher, group)
             self.num_active += 1
         else:

@@ -32,7 +32,7 @@ def accepts(structured, so: SO, text: bytes) -> bool:
     compiled = structured.submit(so).result()
     assert compiled.error is None, compiled.error
     matcher = compiled.template.deep_copy()
-    tokens = structured._tokenizer().tokenize_bytes(text)
+    tokens = structured.compiler.ll_tokenizer().tokenize_bytes(text)
     return bool(matcher.consume_tokens(tokens) and matcher.is_accepting())
 
 
@@ -117,7 +117,7 @@ def test_compile_errors_name_the_field(structured):
 def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
     from actors.engine.sequence import Sequence
 
-    tok = structured.tokenizer
+    tok = structured.compiler.tokenizer
     eos = tok.eos_token_id
     request = _request(structured, SO(regex="(ab)+"), prompt=[1, 2])
     seqs = [Sequence(request, 0, [1, 2]) for _ in range(2)]
