@@ -1,7 +1,7 @@
 """Per-step timing of the engine on CUDA: device events around each launched step.
 
 Benchmarks attach a ``StepTimer`` to an engine (``timer.attach(engine)``, ``timer.detach()``):
-it replaces the executor's ``launch_model`` and ``sample`` with timed copies of their phases,
+it wraps the executor's ``launch_model``, ``forward`` and ``sample`` to mark their phases,
 so an engine without a timer runs no timing check. For each step it records host clocks and three events on the compute stream: before the
 step's first device operation (its uploads), before the sampler, and after the sampler. The
 device is idle between two steps from the end event of one to the start event of the next:
@@ -46,35 +46,35 @@ class StepTimer:
         executor = engine.executor
         self._engine, self._waited = engine, engine.counters.device_wait_s
 
-        @torch.no_grad()
-        def launch_model(sched: Any, prev: Any) -> Any:
+        launch_model, forward, sample = executor.launch_model, executor.forward, executor.sample
+
+        def timed_launch_model(sched: Any, prev: Any) -> Any:
             self._count_wait()
             self.begin_step(sched.num_tokens, len(sched.seqs))
-            inputs = executor.runner.prepare(
-                sched, prev.sample_seqs if prev is not None else None)
-            self.mark("gpu_start")
-            step, hidden = executor.forward(sched, inputs, prev)
-            if not sched.sample_seqs:
+            step, inputs, logits = launch_model(sched, prev)
+            if logits is None:  # no row samples: the step ends with its forward
                 self.end_step()
-                return step, inputs, None
-            return step, inputs, executor.logits(hidden)
+            return step, inputs, logits
 
-        sample = executor.sample
+        def timed_forward(*args: Any) -> Any:  # after the inputs' preparation
+            self.mark("gpu_start")
+            return forward(*args)
 
-        @torch.no_grad()
         def timed_sample(*args: Any) -> None:
             self.mark("sample")
             sample(*args)
             self.end_step()
 
-        executor.launch_model, executor.sample = launch_model, timed_sample
+        executor.launch_model, executor.forward, executor.sample = (
+            timed_launch_model, timed_forward, timed_sample)
         return self
 
     def detach(self) -> None:
         """Puts the executor's own methods back and counts the last step's wait."""
         if self._engine is not None:
             self._count_wait()
-            del self._engine.executor.launch_model, self._engine.executor.sample
+            executor = self._engine.executor
+            del executor.launch_model, executor.forward, executor.sample
             self._engine = None
 
     def _count_wait(self) -> None:

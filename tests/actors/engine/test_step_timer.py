@@ -44,3 +44,40 @@ def test_host_phases_split_each_step_at_its_marks():
     # a step that sampled nothing has no sampler mark: only the time outside its launch counts
     del steps[1].host_marks["sample"]
     assert len(host_phases(steps, [1])) == 1
+
+
+class _HostEvent:
+    """A stand-in for ``torch.cuda.Event`` on the CPU: recording does nothing."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+def test_attach_marks_every_step_in_order_and_detach_restores_the_executor(
+        tiny_llama, monkeypatch):
+    from actors.engine.step_timer import StepTimer
+    from sampler import SamplingParams
+    from tests.actors.helpers import make_engine, random_prompts
+
+    monkeypatch.setattr("actors.engine.step_timer.torch.cuda.Event", _HostEvent)
+    engine = make_engine(tiny_llama)
+    executor = engine.executor
+    try:
+        timer = StepTimer().attach(engine)
+        prompts = random_prompts([5, 9, 7], 512, seed=3)
+        engine.generate([(i, p, SamplingParams(max_tokens=6, seed=i, ignore_eos=True))
+                         for i, p in enumerate(prompts)])
+        timer.detach()
+        assert not {"launch_model", "forward", "sample"} & set(vars(executor))
+        assert len(timer.steps) >= 6  # a prefill, then a decode step a token
+        for step in timer.steps:
+            marks = step.host_marks
+            # the step's inputs prepared, then the forward, the sampler, the end
+            assert list(marks) == ["gpu_start", "sample", "end"], list(marks)
+            assert step.host_start <= marks["gpu_start"] <= marks["sample"] <= marks["end"]
+            assert step.host_end >= marks["end"]
+    finally:
+        engine.close()
