@@ -19,8 +19,9 @@ real 151k vocabulary):
 With ``--trace`` each timed constrained run also reports where a step's masks come from
 (``trace``, ms a call, median and mean): on the ahead fill's thread the wait for the step's
 sampled ids (``ids_wait``, the sampler's remaining device time), the parallel accept, the
-fill, the whole ahead fill (``ahead``); on the stepping thread ``step_mask`` (its wait for
-the ahead fill included).
+fill, the whole ahead fill (``ahead``); on the stepping thread ``advance``,
+``wait_accepted`` and ``step_mask`` (its wait for the ahead fill included); and the chain's
+timeline, ``at_*`` (:class:`PhaseTrace`).
 
     python benchmarks/structured_bench.py --out /tmp/structured            # 0.5B, 1024 x 128/128
     python benchmarks/structured_bench.py --workload tiny --out /tmp/s      # smoke (CPU)
@@ -94,13 +95,25 @@ def qwen_tokenizer():
 
 class PhaseTrace:
     """Times ``StructuredOutputs``' phases while active (``with PhaseTrace() as t``; then
-    ``t.summary()``): each call's duration, by phase and by the thread it ran on."""
+    ``t.summary()``): each call's duration, by phase and by the thread it ran on, and a
+    timeline of each step's chain from the end of ``advance`` (the stepping thread, right
+    after the sampler's launch): when the ahead fill's thread started (``at_start``), had
+    the sampled ids (``at_ids``), had accepted them (``at_accept``), filled the masks
+    (``at_fill``) and ended (``at_ahead``); when the stepping thread began to wait for the
+    accept (``at_wait_accepted``) and entered and left ``step_mask`` (``at_step_mask``,
+    ``at_step_mask_end``; the next sampler is launched right after)."""
 
     PHASES = {"_advance": "ahead", "_accept_par": "accept", "_fill": "fill",
-              "step_mask": "step_mask"}
+              "step_mask": "step_mask", "wait_accepted": "wait_accepted",
+              "advance": "advance"}
 
     def __init__(self) -> None:
         self.spans: dict[str, list[float]] = {}
+        self.ref: float | None = None  # the end of the last advance (stepping thread)
+
+    def _at(self, name: str, t: float) -> None:
+        if self.ref is not None:
+            self.spans.setdefault("at_" + name, []).append(t - self.ref)
 
     def _wrap(self, owner, name: str, phase: str):
         fn = getattr(owner, name)
@@ -108,15 +121,26 @@ class PhaseTrace:
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            ahead = threading.current_thread().name.startswith("grammar-ahead")
+            if ahead and phase == "ahead":
+                self._at("start", t0)
+            elif not ahead and phase in ("step_mask", "wait_accepted"):
+                self._at(phase, t0)
             try:
                 return fn(*args, **kwargs)
             finally:
-                if threading.current_thread().name.startswith("grammar-ahead"):
-                    spans.setdefault(phase, []).append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                if ahead:
+                    spans.setdefault(phase, []).append(t1 - t0)
+                    self._at("ids" if phase == "ids_wait" else phase, t1)
                 elif phase in ("accept", "fill"):  # rows new to the ahead fill
-                    spans.setdefault("in_step_" + phase, []).append(time.perf_counter() - t0)
+                    spans.setdefault("in_step_" + phase, []).append(t1 - t0)
                 elif phase != "ids_wait":  # the stepping thread's reads are not the chain's
-                    spans.setdefault(phase, []).append(time.perf_counter() - t0)
+                    spans.setdefault(phase, []).append(t1 - t0)
+                    if phase == "step_mask":
+                        self._at("step_mask_end", t1)
+                    elif phase == "advance":
+                        self.ref = t1
         return fn, timed
 
     def __enter__(self) -> "PhaseTrace":
@@ -189,6 +213,8 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         "max_num_seqs": n, "max_num_batched_tokens": args.max_batched_tokens,
         "max_model_len": prompt + out + 8, "cuda_graphs": DEVICE == "cuda",
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
+    if args.max_templates:
+        engine.structured.max_templates = args.max_templates
     common = dict(max_tokens=out, temperature=TEMPERATURE, top_p=TOP_P, detokenize=False)
     compact = {"disable_any_whitespace": True}
     plain_params = [SamplingParams(**common, seed=i, ignore_eos=True) for i in range(n)]
@@ -299,6 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "the ratio is of their medians")
     p.add_argument("--trace", action="store_true",
                    help="time the structured-output phases of the constrained runs")
+    p.add_argument("--rows-per-template", type=int, default=0,
+                   help="rows of one constraint per matcher template (default: the engine's)")
+    p.add_argument("--max-templates", type=int, default=0,
+                   help="the most matcher templates of one constraint (default: the engine's)")
     args = p.parse_args(argv)
     spec, n, prompt, out, args.rows = WORKLOADS[args.workload]
     args.compile_samples = min(args.compile_samples, n)
@@ -311,7 +341,15 @@ def main(argv: list[str] | None = None) -> dict:
         del model
         if spec["vocab_size"] > 100_000:  # a real vocabulary for the masks
             qwen_tokenizer().save_pretrained(path)
-        result.update(engine_runs(path, spec, n, prompt, out, args))
+        from actors.engine import structured_sequence
+
+        rows_per_template = structured_sequence.ROWS_PER_TEMPLATE
+        if args.rows_per_template:  # the templates' size, for this run only
+            structured_sequence.ROWS_PER_TEMPLATE = args.rows_per_template
+        try:
+            result.update(engine_runs(path, spec, n, prompt, out, args))
+        finally:
+            structured_sequence.ROWS_PER_TEMPLATE = rows_per_template
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "structured_bench.json").write_text(json.dumps(result, indent=1))

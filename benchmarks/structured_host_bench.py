@@ -272,7 +272,9 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
 
 def raw_fill(structured, live: list, threads: int, args) -> dict:
     """The library's parallel fill alone (``fill_next_token_bitmask_par`` on ``threads``
-    threads) at the live rows' states, in four matcher layouts: the run's own matchers, and
+    threads) and the accept of a decode step's token before it (``consume_token_par``;
+    ``serial_accept_ms``: one ``consume_token`` a row on the calling thread) at the live
+    rows' states, in four matcher layouts: the run's own matchers, and
     the same states replayed into independent matchers, into copies of one matcher and into
     templates of ``--rows-per-template`` rows. ``first_ms``: the first fill of a replayed
     layout (cold caches of fresh templates); ``after_token_ms``: the median fill right after
@@ -302,19 +304,30 @@ def raw_fill(structured, live: list, threads: int, args) -> dict:
                f"templates_of_{per}": replayed(lambda i: templates[i // per].deep_copy())}
     executor = llguidance.LLExecutor(threads)
     buf = torch.full((len(live), structured.words), -1, dtype=torch.int32)  # pages touched
+    last = [tokens[-1] for tokens in history]
     out = {}
     for name, matchers in layouts.items():
         pairs = [(m, j) for j, m in enumerate(matchers)]
-        spans = []
+        spans, accepts, serial = [], [], []
         for rep in range(1 + args.reps):
-            if rep:
-                for m, tokens in zip(matchers, history):
-                    assert m.rollback(1) and m.consume_token(tokens[-1])
+            if rep:  # the last token again: in parallel, as a decode step's accept
+                for m in matchers:
+                    assert m.rollback(1)
+                t0 = time.perf_counter()
+                assert all(executor.consume_token_par(list(zip(matchers, last))))
+                accepts.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             llguidance.torch.fill_next_token_bitmask_par(executor, pairs, buf)
             spans.append(time.perf_counter() - t0)
+        for m in matchers:  # and one matcher at a time, on this thread
+            assert m.rollback(1)
+        t0 = time.perf_counter()
+        assert all([m.consume_token(t) for m, t in zip(matchers, last)])
+        serial.append(time.perf_counter() - t0)
         out[name] = {"first_ms": spans[0] * 1e3,
-                     "after_token_ms": statistics.median(spans[1:]) * 1e3}
+                     "after_token_ms": statistics.median(spans[1:]) * 1e3,
+                     "accept_ms": statistics.median(accepts) * 1e3 if accepts else None,
+                     "serial_accept_ms": serial[0] * 1e3}
     return out
 
 
@@ -383,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"ms median/mean: {line}")
         for name, r in result.get("raw_fill", {}).items():
             print(f"  raw fill, {name}: first {r['first_ms']:.2f} ms, after a token "
-                  f"{r['after_token_ms']:.2f} ms")
+                  f"{r['after_token_ms']:.2f} ms; its accept {r['accept_ms']:.2f} ms in "
+                  f"parallel, {r['serial_accept_ms']:.2f} ms one matcher at a time")
     out = {"rows": args.rows, "steps": args.steps, "rows_per_template": args.rows_per_template,
            "max_templates": args.max_templates,
            "runs": runs}

@@ -9,10 +9,15 @@ from tests.benchmarks.helpers import load_benchmark
 
 
 def test_tiny_workload_writes_every_figure(tmp_path):
+    from actors.engine import structured_sequence
+
     bench = load_benchmark("structured_bench")
+    before = structured_sequence.ROWS_PER_TEMPLATE
     result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
                          "--reps", "2", "--compile-samples", "4", "--pairs", "2",
-                         "--max-batched-tokens", "128", "--trace"])
+                         "--max-batched-tokens", "128", "--trace", "--rows-per-template", "2",
+                         "--max-templates", "3"])
+    assert structured_sequence.ROWS_PER_TEMPLATE == before  # set for the run only
     saved = json.loads((tmp_path / "structured_bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
     n = result["num_prompts"]
@@ -36,6 +41,12 @@ def test_tiny_workload_writes_every_figure(tmp_path):
     for phase in ("ids_wait", "accept", "fill", "ahead", "step_mask"):
         assert trace[phase]["calls"] > 0 and trace[phase]["median_ms"] > 0, phase
     assert trace["ahead"]["calls"] == trace["ids_wait"]["calls"]
+    # the chain's timeline, from the end of each advance: the ahead fill's thread starts,
+    # has the ids, accepts them and ends in that order; step_mask is left after it is entered
+    at = {k[3:]: v["median_ms"] for k, v in trace.items() if k.startswith("at_")}
+    assert trace["at_start"]["calls"] == trace["ahead"]["calls"]
+    assert 0 <= at["start"] <= at["ids"] <= at["accept"] <= at["ahead"]
+    assert at["step_mask"] <= at["step_mask_end"]
     assert "trace" not in plain
     assert [s["rows"] for s in result["sampler_steps"]] == [4, 8]
     assert all(s["sampler_masked_ms"] > 0 and s["mask_fill_ms"] > 0

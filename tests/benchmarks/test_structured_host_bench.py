@@ -17,6 +17,10 @@ def test_tiny_run_times_every_phase_and_writes_its_json(tmp_path):
         assert run["steps"] == 6
         assert all(run[k]["median_ms"] > 0 for k in ("book", "fill", "total", "serial"))
         assert run["serial"]["median_ms"] < run["total"]["median_ms"]
+        # the library's own fill and accept in every matcher layout
+        for layout in run["raw_fill"].values():
+            assert all(layout[k] > 0 for k in ("first_ms", "after_token_ms", "accept_ms",
+                                               "serial_accept_ms"))
     # the masks depend on the rows' tokens only, not on the fill threads
     assert first["mask_sha256"] == second["mask_sha256"]
 
