@@ -68,10 +68,8 @@ class StructuredOutputs:
         self._executor = None
         self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
-        self._ahead: Future | None = None  # the ahead fill running (see advance) ...
-        self._ahead_of: Any = None  # ... after the step of this output
+        self._running: _Running | None = None  # the ahead fill running (see advance)
         self._done: _AheadFill | None = None  # its masks, for the next step_mask
-        self._accepted: threading.Event | None = None  # that fill's, set once it accepted
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -147,24 +145,23 @@ class StructuredOutputs:
         matchers = [grammar.matcher for grammar in picked]
         plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
                           matchers, list(zip(matchers, range(len(picked)))), threading.Event())
-        self._ahead = self._ahead_pool.submit(self._advance, plan, output)
-        self._ahead_of = output
-        self._accepted = plan.accepted
+        self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
+                                 plan.accepted)
 
     def settle(self, output: Any = None) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
         ``output``, only for the fill of that step (whose outputs are to be processed: a
         step that sampled no row did not wait for it)."""
-        if output is not None and output is not self._ahead_of:
+        running = self._running
+        if running is None or (output is not None and output is not running.output):
             return
-        future, self._ahead, self._ahead_of = self._ahead, None, None
-        if future is not None:
-            self._done = future.result()
+        self._running = None
+        self._done = running.future.result()
 
     def filling_after(self, output: Any) -> bool:
         """Whether an ahead fill runs after the step of ``output`` (the next step's masks
         come from it)."""
-        return self._ahead is not None and output is self._ahead_of
+        return self._running is not None and output is self._running.output
 
     def wait_accepted(self, output: Any) -> None:
         """Waits until the ahead fill after the step of ``output`` (if one runs) has
@@ -173,7 +170,7 @@ class StructuredOutputs:
         the output processor reads (:meth:`SequenceGrammar.error_by`, ``ended_by``), and
         call the matchers of rows outside the fill, but no matcher of its rows."""
         if self.filling_after(output):
-            self._accepted.wait()  # set by the fill even when it fails (its error: settle)
+            self._running.accepted.wait()  # set even when the fill fails (its error: settle)
 
     def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
         try:
@@ -324,6 +321,16 @@ class _AheadPlan:
     matchers: list
     targets: list
     accepted: threading.Event  # set once the sampled ids are accepted (or the fill failed)
+
+
+@dataclass(slots=True)
+class _Running:
+    """The ahead fill running: its future, the output of the step whose sampled ids it takes,
+    and its event, set once it accepted them."""
+
+    future: Future
+    output: Any
+    accepted: threading.Event
 
 
 @dataclass(slots=True)

@@ -108,7 +108,7 @@ def test_a_step_is_read_back_while_the_next_masks_still_fill(tiny_llama):
         filling = structured.filling_after(step.output)  # a fill after this step's ids
         out = process(step)
         if filling:  # read back; has that fill finished?
-            during.append(not structured._ahead.done())
+            during.append(not structured._running.future.done())
             gate.set()
         return out
 
