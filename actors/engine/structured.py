@@ -146,7 +146,7 @@ class StructuredOutputs:
         plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
                           matchers, list(zip(matchers, range(len(picked)))), threading.Event())
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
-                                 plan.accepted)
+                                 plan.accepted, _AheadFill(plan.masks, turn, len(picked)))
 
     def settle(self, output: Any = None) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
@@ -156,7 +156,8 @@ class StructuredOutputs:
         if running is None or (output is not None and output is not running.output):
             return
         self._running = None
-        self._done = running.future.result()
+        running.future.result()  # its error, if it failed
+        self._done = running.fill
 
     def filling_after(self, output: Any) -> bool:
         """Whether an ahead fill runs after the step of ``output`` (the next step's masks
@@ -172,7 +173,7 @@ class StructuredOutputs:
         if self.filling_after(output):
             self._running.accepted.wait()  # set even when the fill fails (its error: settle)
 
-    def _advance(self, plan: "_AheadPlan", output: Any) -> "_AheadFill":
+    def _advance(self, plan: "_AheadPlan", output: Any) -> None:
         try:
             tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
             grammars, targets = plan.grammars, plan.targets
@@ -189,7 +190,6 @@ class StructuredOutputs:
             self._fill(targets, masks.host)
             if masks.dev is not None:
                 self.buffers.upload(masks, 0, len(plan.grammars))
-        return _AheadFill(masks, plan.turn, len(plan.grammars))
 
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
         """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
@@ -203,17 +203,19 @@ class StructuredOutputs:
             prev_tokens: a callable giving the previous step's sampled ids as a host array
                 (called only when a row filled here still waits for its last token).
         """
-        self.settle()
-        self.buffers.mark_read()
-        done, self._done = self._done, None
-        rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
-        if not rows:
-            return None
-        if done is None:  # every row is filled here, in order
-            base, source, here = 0, None, [seqs[r] for r in rows]
-            masks = self.buffers.take()
+        running = self._running
+        if running is not None:
+            # once the ahead fill has accepted (the engine waited for that to process the
+            # step's outputs) it writes no row's fields: the rows are sorted here while its
+            # masks may still be filling
+            running.accepted.wait()
+            done = running.fill
         else:
-            turn, base, masks = done.turn, done.count, done.masks
+            done = self._done
+        rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
+        source = here = None
+        if rows and done is not None:
+            turn, base = done.turn, done.count
             source, here = [], []
             for r in rows:
                 seq = seqs[r]
@@ -224,6 +226,16 @@ class StructuredOutputs:
                 else:
                     source.append(base + len(here))
                     here.append(seq)
+        self.settle()  # the masks filled ahead are uploading
+        self._done = None
+        self.buffers.mark_read()
+        if not rows:
+            return None
+        if done is None:  # every row is filled here, in order
+            base, here = 0, [seqs[r] for r in rows]
+            masks = self.buffers.take()
+        else:
+            masks = done.masks
         self.rows_ahead += len(rows) - len(here)
         self.rows_here += len(here)
         total = base + len(here)
@@ -326,11 +338,12 @@ class _AheadPlan:
 @dataclass(slots=True)
 class _Running:
     """The ahead fill running: its future, the output of the step whose sampled ids it takes,
-    and its event, set once it accepted them."""
+    its event, set once it accepted them, and the masks it fills."""
 
     future: Future
     output: Any
     accepted: threading.Event
+    fill: "_AheadFill"
 
 
 @dataclass(slots=True)

@@ -119,3 +119,55 @@ def test_a_step_is_read_back_while_the_next_masks_still_fill(tiny_llama):
         engine.close()
     assert sum(during) >= 10
     assert len(outputs) == 8 and all(o.error is None for o in outputs.values())
+
+
+class _Watched:
+    """Stands in for a row's grammar and notes when it is read (its reads and writes go to
+    the grammar)."""
+
+    def __init__(self, grammar, state: dict) -> None:
+        object.__setattr__(self, "_grammar", grammar)
+        object.__setattr__(self, "_state", state)
+
+    def __getattr__(self, name):
+        self._state["read"] = True
+        return getattr(self._grammar, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._grammar, name, value)
+
+
+def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
+    """``step_mask`` decides which rows take a mask from the ahead fill (reading their
+    grammars' fields, final once the fill has accepted) before it waits for the fill's masks,
+    so that work is off the chain between two samplers."""
+    engine = make_engine(tiny_llama)
+    structured = engine.structured
+    step_mask, settle = structured.step_mask, structured.settle
+    state: dict = {"inside": False}
+    read_before_wait: list[bool] = []
+
+    def spy_step_mask(seqs, prev_tokens):
+        row = next((seq for seq in seqs if seq.grammar is not None), None)
+        if row is None:
+            return step_mask(seqs, prev_tokens)
+        grammar = row.grammar
+        row.grammar = _Watched(grammar, state)
+        state.update(inside=True, read=False, filling=structured._running is not None)
+        try:
+            return step_mask(seqs, prev_tokens)
+        finally:
+            row.grammar, state["inside"] = grammar, False
+
+    def spy_settle(output=None):
+        if state["inside"] and state["filling"]:
+            read_before_wait.append(state["read"])
+        return settle(output)
+
+    structured.step_mask, structured.settle = spy_step_mask, spy_settle
+    try:
+        outputs = by_id(engine.generate(_requests()))
+    finally:
+        engine.close()
+    assert len(read_before_wait) >= 10 and all(read_before_wait)
+    assert len(outputs) == 8 and all(o.error is None for o in outputs.values())
