@@ -100,8 +100,9 @@ class PhaseTrace:
     after the sampler's launch): when the ahead fill's thread started (``at_start``), had
     the sampled ids (``at_ids``), had accepted them (``at_accept``), filled the masks
     (``at_fill``) and ended (``at_ahead``); when the stepping thread began to wait for the
-    accept (``at_wait_accepted``) and entered and left ``step_mask`` (``at_step_mask``,
-    ``at_step_mask_end``; the next sampler is launched right after)."""
+    accept (``at_wait_accepted``), entered and left ``step_mask`` (``at_step_mask``,
+    ``at_step_mask_end``) and ``Sampler.sample`` (``at_sample``, ``at_sample_end``: its
+    kernels launched)."""
 
     PHASES = {"_advance": "ahead", "_accept_par": "accept", "_fill": "fill",
               "step_mask": "step_mask", "wait_accepted": "wait_accepted",
@@ -124,7 +125,7 @@ class PhaseTrace:
             ahead = threading.current_thread().name.startswith("grammar-ahead")
             if ahead and phase == "ahead":
                 self._at("start", t0)
-            elif not ahead and phase in ("step_mask", "wait_accepted"):
+            elif not ahead and phase in ("step_mask", "wait_accepted", "sample"):
                 self._at(phase, t0)
             try:
                 return fn(*args, **kwargs)
@@ -137,19 +138,20 @@ class PhaseTrace:
                     spans.setdefault("in_step_" + phase, []).append(t1 - t0)
                 elif phase != "ids_wait":  # the stepping thread's reads are not the chain's
                     spans.setdefault(phase, []).append(t1 - t0)
-                    if phase == "step_mask":
-                        self._at("step_mask_end", t1)
+                    if phase in ("step_mask", "sample"):
+                        self._at(phase + "_end", t1)
                     elif phase == "advance":
                         self.ref = t1
         return fn, timed
 
     def __enter__(self) -> "PhaseTrace":
         from actors.engine.structured import StructuredOutputs
+        from sampler import Sampler
         from sampler.sampler_output import AsyncOutput
 
         self._saved = []
         for owner, name, phase in [(StructuredOutputs, n, p) for n, p in self.PHASES.items()] + [
-                (AsyncOutput, "get", "ids_wait")]:
+                (AsyncOutput, "get", "ids_wait"), (Sampler, "sample", "sample")]:
             fn, timed = self._wrap(owner, name, phase)
             self._saved.append((owner, name, fn))
             setattr(owner, name, timed)

@@ -46,7 +46,7 @@ def test_tiny_workload_writes_every_figure(tmp_path):
     at = {k[3:]: v["median_ms"] for k, v in trace.items() if k.startswith("at_")}
     assert trace["at_start"]["calls"] == trace["ahead"]["calls"]
     assert 0 <= at["start"] <= at["ids"] <= at["accept"] <= at["ahead"]
-    assert at["step_mask"] <= at["step_mask_end"]
+    assert at["step_mask"] <= at["step_mask_end"] and at["sample"] <= at["sample_end"]
     assert "trace" not in plain
     assert [s["rows"] for s in result["sampler_steps"]] == [4, 8]
     assert all(s["sampler_masked_ms"] > 0 and s["mask_fill_ms"] > 0
