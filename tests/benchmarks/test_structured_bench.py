@@ -51,3 +51,12 @@ def test_tiny_workload_writes_every_figure(tmp_path):
     assert [s["rows"] for s in result["sampler_steps"]] == [4, 8]
     assert all(s["sampler_masked_ms"] > 0 and s["mask_fill_ms"] > 0
                for s in result["sampler_steps"])
+
+
+def test_no_length_limits_leaves_out_that_schema(tmp_path):
+    bench = load_benchmark("structured_bench")
+    result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
+                         "--reps", "1", "--compile-samples", "2", "--pairs", "1",
+                         "--max-batched-tokens", "128", "--no-length-limits"])
+    assert "one_schema" in result and result["one_schema_ratio"] > 0
+    assert not any(key.startswith("one_schema_length_limits") for key in result)
