@@ -131,3 +131,13 @@ def check_output(out, so: dict) -> None:
         assert text in so["choice"], text
     else:
         assert is_arithmetic(text), text
+
+
+def compile_first(engine, requests) -> None:
+    """Compiles the constraints of ``requests`` (``(id, prompt, params)``) on ``engine``
+    before they run, so that no request is passed over while its constraint compiles: the
+    steps' batches are then the same from run to run (on a GPU, a row's bf16 logits depend
+    on the batch it is computed in)."""
+    for _, _, params in requests:
+        if params.structured_outputs is not None:
+            engine.structured.submit(params.structured_outputs).result()
