@@ -7,7 +7,8 @@ in sorted order), the down GEMM with the routing weight in its epilogue (rows ba
 order), and the sum over each token's ``k`` rows (:func:`sum_pairs`). Each program of a GEMM
 owns ``block_m`` sorted rows of one expert and one tile of that expert's weights, so at decode
 (a block or two per expert) every expert's weights are read about once. Shapes depend only on
-the token count: CUDA-graph capturable.
+the token count: CUDA-graph capturable. The kernels are in
+:mod:`~actors.engine.model.kernels.moe_gemm_kernels`; this module launches them.
 
 Weight layouts are those of transformers' fused experts modules: ``ExpertLayout`` says
 whether ``gate_up`` is ``[E, 2I, H]`` (``down`` ``[E, H, I]``) or transposed
@@ -23,13 +24,13 @@ from typing import Literal
 
 import torch
 import triton
-import triton.language as tl
 
 from actors.engine.model.kernels import interpreted
 from actors.engine.model.kernels.moe_align import moe_align
+from actors.engine.model.kernels.moe_gemm_kernels import (
+    _down_kernel, _down_swapped_kernel, _gate_up_kernel, _gate_up_swapped_kernel)
 from actors.engine.model.kernels.moe_sum import sum_pairs, sum_pairs_torch
 from actors.engine.model.kernels.moe_tiles import TileConfig, pick_config
-from actors.engine.model.kernels.rounding import round_to
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,214 +87,6 @@ def fused_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
             h = h + down_bias[e]
         pairs[pair] = (h * weights.reshape(-1)[pair, None]).to(x.dtype)
     return sum_pairs_torch(pairs, top_k)
-
-
-@triton.jit
-def _tile(num_m, num_n, GROUP_M: tl.constexpr):
-    """This program's (row block, column tile): ``GROUP_M`` consecutive row blocks (mostly
-    one expert's) sweep all column tiles together, so their rows and that expert's weight
-    tiles are read from DRAM about once and then hit in L2."""
-    pid = tl.program_id(0)
-    per_group = GROUP_M * num_n
-    first = (pid // per_group) * GROUP_M
-    size = tl.minimum(num_m - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
-
-
-@triton.jit
-def _block(block_expert_ptr, sorted_ptr, num_m, num_pairs, N, BM: tl.constexpr,
-           BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's expert (-1: an unused block), its ``BM`` sorted rows with their pairs
-    and which are real, and its ``BN`` output columns with which are in range."""
-    pid_m, pid_n = _tile(num_m, tl.cdiv(N, BN), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    n = pid_n * BN + tl.arange(0, BN)
-    return e, rows, pair, pair < num_pairs, pid_n, n, n < N
-
-
-@triton.jit
-def _activation(gate, up, alpha, limit, dt: tl.constexpr, SWIGLU: tl.constexpr):
-    """The experts' activation of rounded ``gate`` / ``up`` tiles, rounded as torch's ops."""
-    if SWIGLU:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(gate * alpha, dt))), dt)
-        glu = round_to(gate * sig, dt)
-        return round_to(round_to(up + 1.0, dt) * glu, dt)
-    else:
-        return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt) * up, dt)
-
-
-@triton.jit
-def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        a, b = a.to(tl.float32), b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit(do_not_specialize=["num_m", "num_pairs"])
-def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_m,
-                    num_pairs, N, K, top_k, stride_xm, stride_we, stride_wn, stride_wk, up_offset,
-                    n_step, stride_be, stride_om, alpha, limit, SWIGLU: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GROUP_M: tl.constexpr):
-    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
-                                                  N, BM, BN, GROUP_M)
-    if e < 0:
-        return
-    tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
-    k = tl.arange(0, BK)
-    a_ptrs = x_ptr + tok[:, None] * stride_xm + k[None, :]
-    g_ptrs = w_ptr + e * stride_we + (n * n_step)[None, :] * stride_wn + k[:, None] * stride_wk
-    u_ptrs = g_ptrs + up_offset * stride_wn
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = _mma(a, g, acc_g, IEEE, UPCAST)
-        acc_u = _mma(a, u, acc_u, IEEE, UPCAST)
-        a_ptrs += BK
-        g_ptrs += BK * stride_wk
-        u_ptrs += BK * stride_wk
-    dt = out_ptr.dtype.element_ty
-    gate = round_to(acc_g, dt)
-    up = round_to(acc_u, dt)
-    if HAS_BIAS:
-        bg = b_ptr + e * stride_be + n * n_step
-        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[None, :], dt)
-        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[None, :],
-                      dt)
-    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
-    tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["num_m", "num_pairs"])
-def _gate_up_swapped_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, sorted_ptr, block_expert_ptr,
-                            num_m, num_pairs, N, K, top_k, w_rows, stride_xm, stride_we,
-                            stride_wn, stride_wk, up_offset, n_step, stride_be, stride_om, alpha,
-                            limit, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            GROUP_M: tl.constexpr):
-    """:func:`_gate_up_kernel` transposed: ``acc [BN, BM] = W x^T``, the weight tile the MMA's
-    row operand (with ``TMA``, read through ``w_desc``, the weights as ``[E * w_rows, K]``)."""
-    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
-                                                  N, BM, BN, GROUP_M)
-    if e < 0:
-        return
-    tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
-    k = tl.arange(0, BK)
-    x_ptrs = x_ptr + tok[None, :] * stride_xm + k[:, None]
-    g_ptrs = w_ptr + e * stride_we + (n * n_step)[:, None] * stride_wn + k[None, :] * stride_wk
-    u_ptrs = g_ptrs + up_offset * stride_wn
-    g_row = (e * w_rows + pid_n * BN).to(tl.int32)
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = k < K - k0
-        xt = tl.load(x_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
-        if TMA:
-            g = w_desc.load([g_row, k0])
-            u = w_desc.load([g_row + up_offset, k0])
-        else:
-            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_g = _mma(g, xt, acc_g, IEEE, UPCAST)
-        acc_u = _mma(u, xt, acc_u, IEEE, UPCAST)
-        x_ptrs += BK
-        g_ptrs += BK * stride_wk
-        u_ptrs += BK * stride_wk
-    dt = out_ptr.dtype.element_ty
-    gate = round_to(acc_g, dt)
-    up = round_to(acc_u, dt)
-    if HAS_BIAS:
-        bg = b_ptr + e * stride_be + n * n_step
-        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[:, None], dt)
-        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[:, None],
-                      dt)
-    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
-    out = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None]
-    tl.store(out, h.to(dt), mask=n_ok[:, None] & valid[None, :])
-
-
-@triton.jit(do_not_specialize=["num_m", "num_pairs"])
-def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_ptr,
-                 num_m, num_pairs, N, K, stride_hm, stride_we, stride_wn, stride_wk, stride_be,
-                 stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
-                                                  N, BM, BN, GROUP_M)
-    if e < 0:
-        return
-    k = tl.arange(0, BK)
-    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + k[None, :]
-    w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _mma(a, w, acc, IEEE, UPCAST)
-        a_ptrs += BK
-        w_ptrs += BK * stride_wk
-    dt = out_ptr.dtype.element_ty
-    y = round_to(acc, dt)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-        y = round_to(y + bias[None, :], dt)
-    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    y = round_to(y * rw[:, None], dt)
-    out = out_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * stride_om + n[None, :]
-    tl.store(out, y.to(dt), mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["num_m", "num_pairs"])
-def _down_swapped_kernel(h_ptr, w_ptr, w_desc, b_ptr, rw_ptr, out_ptr, sorted_ptr,
-                         block_expert_ptr, num_m, num_pairs, N, K, w_rows, stride_hm, stride_we,
-                         stride_wn, stride_wk, stride_be, stride_om, HAS_BIAS: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr):
-    """:func:`_down_kernel` transposed, as :func:`_gate_up_swapped_kernel`."""
-    e, rows, pair, valid, pid_n, n, n_ok = _block(block_expert_ptr, sorted_ptr, num_m, num_pairs,
-                                                  N, BM, BN, GROUP_M)
-    if e < 0:
-        return
-    k = tl.arange(0, BK)
-    h_ptrs = h_ptr + rows[None, :].to(tl.int64) * stride_hm + k[:, None]
-    w_ptrs = w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :] * stride_wk
-    w_row = (e * w_rows + pid_n * BN).to(tl.int32)
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = k < K - k0
-        ht = tl.load(h_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
-        if TMA:
-            w = w_desc.load([w_row, k0])
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _mma(w, ht, acc, IEEE, UPCAST)
-        h_ptrs += BK
-        w_ptrs += BK * stride_wk
-    dt = out_ptr.dtype.element_ty
-    y = round_to(acc, dt)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-        y = round_to(y + bias[:, None], dt)
-    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    y = round_to(y * rw[None, :], dt)
-    out = out_ptr + tl.where(valid, pair, 0)[None, :].to(tl.int64) * stride_om + n[:, None]
-    tl.store(out, y.to(dt), mask=n_ok[:, None] & valid[None, :])
 
 
 def _strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
