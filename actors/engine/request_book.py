@@ -122,11 +122,11 @@ class RequestBook:
         request = self.requests.get(request_id)
         if request is None:
             return
-        for seq in list(request.sequences):
-            if not seq.is_finished:
-                self.outputs.abort(seq)
-                self.release([seq])
-                self.ready += self.finish_all([seq], {})
+        seqs = [seq for seq in request.sequences if not seq.is_finished]
+        for seq in seqs:
+            self.outputs.abort(seq)
+        self.release(seqs)  # one write a sampler table for all of them
+        self.ready += self.finish_all(seqs, {})
         self.ready += self.outputs.unforked_abort_outputs(request)
         self.requests.pop(request_id, None)
 

@@ -45,6 +45,25 @@ def test_abort_running_and_waiting_requests(tiny_llama):
     assert sorted(engine.scheduler.free_slots) == [0, 1]
 
 
+def test_abort_a_running_request_of_several_samples_frees_them_all(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    engine.add_request("fan", [8, 9], LONG.replace(n=3))
+    engine.add_request("other", [5, 6], SamplingParams(max_tokens=8, seed=1, ignore_eos=True))
+    for _ in range(4):
+        assert engine.step() == []
+    engine.abort_request("fan")
+    outs = engine.step()
+    assert [(o.id, o.sample_index, o.finish_reason) for o in outs] == [
+        ("fan", 0, "abort"), ("fan", 1, "abort"), ("fan", 2, "abort")]
+    assert all(2 <= o.num_output_tokens <= 4 for o in outs)
+    rest = drain(engine)
+    assert [(o.id, o.finish_reason, o.num_output_tokens) for o in rest] == [("other", "length", 8)]
+    bm = engine.scheduler.bm
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2, 3]
+    assert engine.sampler.state.active.sum() == 0
+
+
 def test_one_step_in_flight(tiny_llama):
     """Step N's tokens are read while step N+1 runs: the first token comes back from the
     second step() call, and the last output needs a final step with nothing to launch."""
