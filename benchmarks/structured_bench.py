@@ -205,6 +205,20 @@ def median_run(runs: list[dict]) -> dict:
     return ranked[(len(ranked) - 1) // 2]
 
 
+def pin_stepping_thread(spec: str) -> dict:
+    """Pins this thread (the engine's stepping thread) to the CPUs of ``spec`` (as
+    ``job_bench --cpus``: "fastest:N" or a list), once the engine's helper threads (compile
+    pool, ahead fill, llguidance's fill threads) exist and keep every CPU: a thread inherits
+    the mask of the thread that starts it. Returns the CPUs and every CPU's probed speed."""
+    from cpu_speed import choose_cpus, probe_cpus
+
+    speeds = probe_cpus()
+    cpus = choose_cpus(spec, speeds)
+    os.sched_setaffinity(0, cpus)
+    log(f"stepping thread on CPUs {cpus} (ms a probe loop: {speeds})")
+    return {"cpus": cpus, "probe_ms": speeds}
+
+
 def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> dict:
     from actors.engine.llm_engine import Engine
     from sampler import SamplingParams
@@ -223,7 +237,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
     run(engine, prompts, plain_params)  # warm-up
     plain = run(engine, prompts, plain_params, timed=True)
     log(f"unconstrained: {plain['output_tok_s']:.0f} out tok/s")
-    shared = {}
+    shared, step_cpus = {}, None
     for name, limits in (("one_schema", False), ("one_schema_length_limits", True))[
             :1 if args.no_length_limits else 2]:
         so = {"json": person_schema(limits=limits), **compact}
@@ -231,6 +245,8 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         # warm-up: the workload once in full (kernels and graphs of every batch size the run
         # passes through, the schema's compile)
         lengths = run(engine, prompts, params)["lengths"]
+        if args.step_cpu and step_cpus is None:
+            step_cpus = pin_stepping_thread(args.step_cpu)
         # the same run unconstrained: each row as many tokens as it made under the schema
         # (seeded rows make the same tokens every run), warmed up as well (its batch sizes
         # meet the unmasked sampler first here)
@@ -265,6 +281,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
     for r in (plain, distinct, *shared.values()):
         r.pop("lengths")
     return {"unconstrained": plain, **shared, "distinct_schemas": distinct,
+            "step_cpus": step_cpus,
             "one_schema_ratio": shared["one_schema"]["ratio_to_same_lengths"],
             "compile_s_per_schema": compile_s,
             "compile_threads": engine.structured.compiler.num_threads,
@@ -328,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "the ratio is of their medians")
     p.add_argument("--trace", action="store_true",
                    help="time the structured-output phases of the constrained runs")
+    p.add_argument("--step-cpu", default="",
+                   help="pin the stepping thread, from the first constrained run on, to these "
+                        "CPUs ('fastest:N' or a list like '3'; the helper threads keep all)")
     p.add_argument("--no-length-limits", action="store_true",
                    help="leave out the schema with length limits (and its reference run)")
     p.add_argument("--rows-per-template", type=int, default=0,
@@ -351,10 +371,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows_per_template = structured_sequence.ROWS_PER_TEMPLATE
         if args.rows_per_template:  # the templates' size, for this run only
             structured_sequence.ROWS_PER_TEMPLATE = args.rows_per_template
+        affinity = os.sched_getaffinity(0)
         try:
             result.update(engine_runs(path, spec, n, prompt, out, args))
         finally:
             structured_sequence.ROWS_PER_TEMPLATE = rows_per_template
+            os.sched_setaffinity(0, affinity)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "structured_bench.json").write_text(json.dumps(result, indent=1))
