@@ -69,7 +69,7 @@ class StructuredOutputs:
         self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._running: _Running | None = None  # the ahead fill running (see advance)
-        self._done: _AheadFill | None = None  # its masks, for the next step_mask
+        self._done: _AheadPlan | None = None  # its plan (masks), for the next step_mask
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -146,7 +146,7 @@ class StructuredOutputs:
         plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
                           matchers, list(zip(matchers, range(len(picked)))), threading.Event())
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
-                                 plan.accepted, _AheadFill(plan.masks, turn, len(picked)))
+                                 plan)
 
     def settle(self, output: Any = None) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
@@ -157,7 +157,7 @@ class StructuredOutputs:
             return
         self._running = None
         running.future.result()  # its error, if it failed
-        self._done = running.fill
+        self._done = running.plan
 
     def filling_after(self, output: Any) -> bool:
         """Whether an ahead fill runs after the step of ``output`` (the next step's masks
@@ -171,7 +171,8 @@ class StructuredOutputs:
         the output processor reads (:meth:`SequenceGrammar.error_by`, ``ended_by``), and
         call the matchers of rows outside the fill, but no matcher of its rows."""
         if self.filling_after(output):
-            self._running.accepted.wait()  # set even when the fill fails (its error: settle)
+            # set even when the fill fails (its error comes from settle)
+            self._running.plan.accepted.wait()
 
     def _advance(self, plan: "_AheadPlan", output: Any) -> None:
         try:
@@ -208,14 +209,14 @@ class StructuredOutputs:
             # once the ahead fill has accepted (the engine waited for that to process the
             # step's outputs) it writes no row's fields: the rows are sorted here while its
             # masks may still be filling
-            running.accepted.wait()
-            done = running.fill
+            running.plan.accepted.wait()
+            done = running.plan
         else:
             done = self._done
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         source = here = None
         if rows and done is not None:
-            turn, base = done.turn, done.count
+            turn, base = done.turn, len(done.grammars)
             source, here = [], []
             for r in rows:
                 seq = seqs[r]
@@ -338,21 +339,11 @@ class _AheadPlan:
 @dataclass(slots=True)
 class _Running:
     """The ahead fill running: its future, the output of the step whose sampled ids it takes,
-    its event, set once it accepted them, and the masks it fills."""
+    and its plan (whose ``accepted`` event is set once it accepted them)."""
 
     future: Future
     output: Any
-    accepted: threading.Event
-    fill: "_AheadFill"
-
-
-@dataclass(slots=True)
-class _AheadFill:
-    """Masks filled ahead: rows ``[0, count)`` of ``masks``, fill number ``turn``."""
-
-    masks: Masks
-    turn: int
-    count: int
+    plan: _AheadPlan
 
 
 def _template_order(groups: list[int]) -> list[int] | None:
