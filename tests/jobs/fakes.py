@@ -6,6 +6,8 @@ request makes one token per step, so requests of different lengths finish at dif
 (continuous batching). Prompts drive fault injection:
 
 - ``"DIE-ONCE:<path> ..."``: the process exits the first time (``<path>`` remembers it);
+- ``"DIE-SHARED:<path> ..."``: as ``DIE-ONCE``, but first waits (up to 30 s) until another
+  ``process_shard`` call runs on the actor too, so that the death takes two shards or more;
 - ``"DIE-ALWAYS ..."``: the process exits every time;
 - ``"RAISE ..."``: ``step()`` raises (a broken engine).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from typing import Any
 
@@ -50,6 +53,7 @@ class FakeEngine:
         self.errors: list[GenerationOutput] = []
         self.requests_seen = 0
         self.cache_resets = 0
+        self.shards_running = 0  # the actor's process_shard calls under way
 
     def add_requests(self, requests: Any, *, fresh_prefix_cache: bool = False) -> None:
         if fresh_prefix_cache:
@@ -60,9 +64,13 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         self.requests_seen += 1
         word = prompt.split()[0] if isinstance(prompt, str) and prompt.strip() else ""
-        if word.startswith("DIE-ONCE:"):
+        if word.startswith(("DIE-ONCE:", "DIE-SHARED:")):
             marker = word.split(":", 1)[1]
             if not os.path.exists(marker):
+                deadline = time.monotonic() + 30.0
+                while (word.startswith("DIE-SHARED:") and self.shards_running < 2
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
                 open(marker, "w").close()
                 os._exit(1)
         if word == "DIE-ALWAYS":
@@ -117,6 +125,7 @@ class FakeActor:
 
         self.model = model
         self.engine = FakeEngine()
+        self._calls_lock = threading.Lock()
         self._prefetch = ShardPrefetch(first_shard) if first_shard is not None else None
         if self._prefetch is not None:
             self._prefetch.engine_ready(self.engine)
@@ -125,10 +134,16 @@ class FakeActor:
         from actors.serving import server_for
         from actors.shard import process_shard
 
-        server = server_for(self, self.engine)
-        prepared = self._prefetch.take(task) if self._prefetch is not None else None
-        return process_shard(task, lambda requests, **built: server.run(
-            requests, exclusive=task.deterministic, **built), prepared)
+        with self._calls_lock:  # Ray runs the calls on threads
+            self.engine.shards_running += 1
+        try:
+            server = server_for(self, self.engine)
+            prepared = self._prefetch.take(task) if self._prefetch is not None else None
+            return process_shard(task, lambda requests, **built: server.run(
+                requests, exclusive=task.deterministic, **built), prepared)
+        finally:
+            with self._calls_lock:
+                self.engine.shards_running -= 1
 
 
 class SlowFakeEngine(FakeEngine):
@@ -174,7 +189,6 @@ def recording(directory: str) -> type:
     once and the most ``process_shard`` calls it ran at once, written to
     ``<directory>/<pid>.json`` as each call returns."""
     import json
-    import threading
 
     class RecordingEngine(SlowFakeEngine):
         peak_active = 0
