@@ -231,6 +231,8 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
         "enable_prefix_caching": False, "gpu_memory_utilization": 0.9})
     if args.max_templates:
         engine.structured.max_templates = args.max_templates
+    if args.fill_threads:  # before the first fill makes the thread pool
+        engine.structured.fill_threads = args.fill_threads
     common = dict(max_tokens=out, temperature=TEMPERATURE, top_p=TOP_P, detokenize=False)
     compact = {"disable_any_whitespace": True}
     plain_params = [SamplingParams(**common, seed=i, ignore_eos=True) for i in range(n)]
@@ -285,6 +287,7 @@ def engine_runs(path: Path, spec: dict, n: int, prompt: int, out: int, args) -> 
             "one_schema_ratio": shared["one_schema"]["ratio_to_same_lengths"],
             "compile_s_per_schema": compile_s,
             "compile_threads": engine.structured.compiler.num_threads,
+            "fill_threads": engine.structured.fill_threads,
             "sampler_backend": engine.sampler.backend, "sampler_steps": masks}
 
 
@@ -354,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rows of one constraint per matcher template (default: the engine's)")
     p.add_argument("--max-templates", type=int, default=0,
                    help="the most matcher templates of one constraint (default: the engine's)")
+    p.add_argument("--fill-threads", type=int, default=0,
+                   help="threads of the parallel accept and mask fill (default: the engine's)")
     args = p.parse_args(argv)
     spec, n, prompt, out, args.rows = WORKLOADS[args.workload]
     args.compile_samples = min(args.compile_samples, n)

@@ -53,7 +53,7 @@ def test_tiny_workload_writes_every_figure(tmp_path):
                for s in result["sampler_steps"])
 
 
-def test_no_length_limits_and_a_pinned_stepping_thread(tmp_path):
+def test_no_length_limits_a_pinned_stepping_thread_and_the_fill_threads(tmp_path):
     import os
 
     bench = load_benchmark("structured_bench")
@@ -62,8 +62,9 @@ def test_no_length_limits_and_a_pinned_stepping_thread(tmp_path):
     result = bench.main(["--workload", "tiny", "--out", str(tmp_path), "--tmp", str(tmp_path),
                          "--reps", "1", "--compile-samples", "2", "--pairs", "1",
                          "--max-batched-tokens", "128", "--no-length-limits",
-                         "--step-cpu", str(cpu)])
+                         "--step-cpu", str(cpu), "--fill-threads", "3"])
     assert "one_schema" in result and result["one_schema_ratio"] > 0
+    assert result["fill_threads"] == 3
     assert not any(key.startswith("one_schema_length_limits") for key in result)
     # the stepping thread ran the constrained runs on that CPU; its mask is given back
     assert result["step_cpus"]["cpus"] == [cpu]
