@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -45,6 +46,27 @@ def connect(address: str | None) -> None:
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                  _system_config={"prestart_worker_first_driver": False})
     logger.info("Ray ready in %.1f s", time.perf_counter() - started)
+
+
+def disconnect() -> None:
+    """Ends this process's Ray session (``ray.shutdown``): a local Ray it started stops, a
+    cluster is only left. The local Ray's autoscaler monitor (nothing to keep on one node) is
+    killed first: Ray stops it after the GCS, and with the GCS gone it does not end on
+    SIGTERM, so the shutdown would wait a second for it before killing it anyway."""
+    import ray
+
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    if node is not None and getattr(node, "head", False):
+        for info in getattr(node, "all_processes", {}).get("monitor", []):
+            process = info.process
+            if process.poll() is None:
+                process.kill()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # left to the shutdown, as before
+                    pass
+    ray.shutdown()
 
 
 def replica_bundles(engine_options: Any, num_gpus_per_actor: float,

@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             # the session this run opened ends now (a local Ray it started stops; a cluster is
             # only left), as at the exit less the 0.5 s Ray's exit hook waits for late worker
             # lines (a failed run keeps that wait: its workers' last lines may tell why)
-            sys.modules["ray"].shutdown()
+            from jobs.cluster import disconnect
+
+            disconnect()
         return code
 
 

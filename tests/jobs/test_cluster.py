@@ -1,5 +1,6 @@
 """A replica's resources: its placement-group bundles and the early refusal of a cluster that
-cannot hold it (Ray's resource views replaced by fakes: no Ray started)."""
+cannot hold it (Ray's resource views replaced by fakes: no Ray started); the end of a local
+Ray session (a Ray of its own, in a child process)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,47 @@ def test_a_replica_must_fit_on_one_node(two_nodes):
         check_resources(3, 2, 2)
     with pytest.raises(ValueError, match=r"config\.num_actors: 3 actors x 3 CPUs need 9 CPUs"):
         check_resources(3, 0, 3)
+
+
+_DISCONNECT = """
+import json
+import ray
+from ray._private import node as ray_node
+from jobs.cluster import connect, disconnect
+
+connect("local")
+node = ray._private.worker._global_node
+processes = {kind: [info.process for info in infos] for kind, infos in node.all_processes.items()}
+order = []
+kill = ray_node.Node._kill_process_type
+
+def spy(self, kind, **kw):  # Ray's shutdown, one process kind at a time
+    order.append((kind, [p.poll() for p in processes["monitor"]]))
+    return kill(self, kind, **kw)
+
+ray_node.Node._kill_process_type = spy
+disconnect()
+print(json.dumps({"order": order, "ended": {kind: [p.poll() for p in ps]
+                                            for kind, ps in processes.items()}}))
+"""
+
+
+@pytest.mark.ray
+def test_disconnect_ends_the_local_ray_its_monitor_first():
+    """The local Ray's autoscaler monitor is killed before Ray's shutdown stops the raylet and
+    the GCS (stopped after them, it waits for the GCS until the shutdown kills it), and every
+    process of that Ray has ended when ``disconnect`` returns."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "-c", _DISCONNECT], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    first_kind, monitor_then = result["order"][0]
+    assert first_kind == "raylet" and monitor_then == [-9]  # SIGKILLed before the raylet
+    assert "monitor" in result["ended"]
+    assert all(code is not None for codes in result["ended"].values() for code in codes)
+    assert "autoscaler failed" not in run.stderr
