@@ -70,3 +70,36 @@ def test_no_length_limits_a_pinned_stepping_thread_and_the_fill_threads(tmp_path
     assert result["step_cpus"]["cpus"] == [cpu]
     assert set(result["step_cpus"]["probe_ms"]) == before
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_saved_tokenizer_lists_its_added_tokens_and_loads_without_its_json_parsed(
+        tmp_path, monkeypatch):
+    """The benchmarks' tokenizer directories hold the added tokens in
+    ``tokenizer_config.json``, as released checkpoints do: the tokenizer loads the same, and
+    its ``tokenizer.json`` is not parsed in Python."""
+    import builtins
+
+    from transformers import AutoTokenizer
+
+    from toolkit.tiny_model import train_tokenizer
+
+    bench = load_benchmark("structured_bench")
+    tok = train_tokenizer(512)
+    bench.save_tokenizer(tok, tmp_path)
+    listed = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert {int(i): t["content"] for i, t in listed.items()} == \
+        {i: t.content for i, t in tok.added_tokens_decoder.items()}
+    opened: list[str] = []
+    real_open = builtins.open
+
+    def spy_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy_open)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert not any(name.endswith("tokenizer.json") for name in opened)
+    text = "hello <|endoftext|> world"
+    assert loaded.encode(text) == tok.encode(text)
+    assert loaded.all_special_ids == tok.all_special_ids and len(loaded) == len(tok)
