@@ -11,7 +11,10 @@ Mixes: ``top_p`` (e2e_bench's: T 0.8, top-p 0.95, a seed per request), ``job``
 ``structured`` (``top_p`` with every row under a regex of 200 lower-case letters or spaces,
 so no row ends before its last token; ``--mix all`` runs it too). Prints the
 median milliseconds per decode step of ``Scheduler.schedule``, ``ModelRunner.prepare`` and
-``Engine._process`` (reading back a step's tokens and logprobs into the sequences).
+``Engine._process`` (reading back a step's tokens and logprobs into the sequences); with the
+structured mix also ``StructuredOutputs.step_mask`` (the step's masks: which rows take the
+ahead fill's, the wait for them, none here, where the sampler takes longer than the fill) and
+``StructuredOutputs.advance`` (the next fill's rows and plan).
 """
 
 from __future__ import annotations
@@ -67,10 +70,13 @@ def run(mix: str, batch: int, output_len: int, model: str) -> dict[str, float]:
         engine.add_request(i, [(7 * i + j) % 400 + 10 for j in range(16)],
                            SamplingParams(max_tokens=output_len, ignore_eos=True,
                                           detokenize=False, **extra))
-    times: dict[str, list[float]] = {"schedule": [], "prepare": [], "process": []}
-    for owner, name, key in ((engine.scheduler, "schedule", "schedule"),
-                             (engine.executor.runner, "prepare", "prepare"),
-                             (engine, "_process", "process")):
+    timed = [(engine.scheduler, "schedule", "schedule"),
+             (engine.executor.runner, "prepare", "prepare"), (engine, "_process", "process")]
+    if mix == "structured":  # the stepping thread's own work for the masks
+        timed += [(engine.structured, "step_mask", "step_mask"),
+                  (engine.structured, "advance", "advance")]
+    times: dict[str, list[float]] = {key: [] for _, _, key in timed}
+    for owner, name, key in timed:
         _time_calls(owner, name, lambda seconds, args, key=key: times[key].append(seconds))
     errors = []
     while engine.has_unfinished_requests():

@@ -19,6 +19,8 @@ def test_host_step_bench_structured_mix_runs_constrained_rows():
     results = load_benchmark("host_step_bench").main(["--batch", "8", "--output-len", "10",
                                                       "--mix", "structured"])
     assert set(results) == {"structured"}
+    assert set(results["structured"]) == {"schedule", "prepare", "process", "step_mask",
+                                          "advance"}
     assert all(0 < ms < 1000 for ms in results["structured"].values())
 
 
