@@ -20,6 +20,7 @@ docs/structured_outputs.md.
 from __future__ import annotations
 
 import threading
+from operator import attrgetter
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
@@ -34,6 +35,8 @@ from actors.engine.structured_masks import Masks, MaskBuffers
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
+
+_GRAMMAR, _GROUP, _MATCHER = attrgetter("grammar"), attrgetter("group"), attrgetter("matcher")
 
 
 class StructuredOutputs:
@@ -70,6 +73,7 @@ class StructuredOutputs:
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._running: _Running | None = None  # the ahead fill running (see advance)
         self._done: _AheadPlan | None = None  # its plan (masks), for the next step_mask
+        self._last: _AheadPlan | None = None  # the latest plan (the next may repeat it)
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -118,23 +122,40 @@ class StructuredOutputs:
         What needs no sampled id is done here, off the fill's path: the rows in template
         order, each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``; the
         ahead fill takes it back from a row that refuses its token) and the lists of its
-        llguidance calls. The ahead fill notes where the grammars ended right after its
-        accept (:meth:`wait_accepted` returns then), and uploads its masks itself."""
+        llguidance calls; when the step samples the last fill's rows again, one token on
+        (:func:`_continues`), that fill's order and lists are taken as they are. The ahead
+        fill notes where the grammars ended right after its accept (:meth:`wait_accepted`
+        returns then), and uploads its masks itself."""
         self.settle()
         self.buffers.mark_read()  # the sampler that reads the last step_mask's masks is queued
-        picked, rows = [], []
-        for r, seq in enumerate(seqs):
-            grammar = seq.grammar
-            if (grammar is not None and grammar.error is None
-                    and grammar.num_accepted == pending_pos[r] - seq.num_prompt):
-                picked.append(grammar)  # at the token its row sampled
-                rows.append(r)
-        if not picked:
-            return
-        order = _template_order([grammar.group for grammar in picked])
-        if order is not None:
-            picked = [picked[j] for j in order]
-            rows = [rows[j] for j in order]
+        pos = np.asarray(pending_pos, dtype=np.int64)
+        last = self._last
+        if last is not None and _continues(last, seqs) and np.array_equal(pos, last.pos + 1):
+            # the last fill's rows again, each one token on: its order and lists again
+            picked, rows, matchers, targets = last.grammars, last.rows, last.matchers, \
+                last.targets
+            step_rows, source = last.step_rows, last.source
+        else:
+            grammars = list(map(_GRAMMAR, seqs))
+            # the rows whose matcher is at the token they sampled
+            chosen = [r for r, grammar, seq, p in zip(range(len(seqs)), grammars, seqs,
+                                                      pending_pos)
+                      if grammar is not None and grammar.error is None
+                      and grammar.num_accepted == p - seq.num_prompt]
+            if not chosen:
+                self._last = None
+                return
+            picked = [grammars[r] for r in chosen]
+            order = _template_order(picked)
+            if order is not None:
+                picked = [picked[j] for j in order]
+                chosen = [chosen[j] for j in order]
+            rows = np.asarray(chosen, dtype=np.int64)
+            matchers = list(map(_MATCHER, picked))
+            targets = list(zip(matchers, range(len(picked))))
+            step_rows, source = _sorted_rows(rows)
+            if len(picked) + grammars.count(None) < len(seqs):
+                step_rows = None  # not every constrained row: the next step_mask sorts them
         self._fills += 1
         turn = self._fills
         for j, grammar in enumerate(picked):
@@ -142,9 +163,8 @@ class StructuredOutputs:
                 turn, j, grammar.num_accepted + 1
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-        matchers = [grammar.matcher for grammar in picked]
-        plan = _AheadPlan(picked, np.asarray(rows, dtype=np.int64), turn, self.buffers.take(),
-                          matchers, list(zip(matchers, range(len(picked)))), threading.Event())
+        plan = self._last = _AheadPlan(picked, rows, turn, self.buffers.take(), matchers,
+                                       targets, threading.Event(), seqs, pos, step_rows, source)
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
                                  plan)
 
@@ -178,7 +198,8 @@ class StructuredOutputs:
         try:
             tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
             grammars, targets = plan.grammars, plan.targets
-            if not self._accept_par(grammars, tokens, matchers=plan.matchers):
+            plan.ok = self._accept_par(grammars, tokens, matchers=plan.matchers)
+            if not plan.ok:
                 for grammar in grammars:  # some row refused its token
                     if grammar.error is not None:
                         grammar.mask_turn = -1  # it takes no mask
@@ -197,7 +218,8 @@ class StructuredOutputs:
         device; None when no row is constrained. A row the ahead fill left at the state
         this step samples from takes its mask; the others (new rows, rows back from a
         preemption, a step without an ahead fill) accept their unaccepted tokens and are
-        filled here.
+        filled here. A step that samples the fill's rows again (:func:`_continues`) takes
+        every mask in the fill's order, without reading a row.
 
         Args:
             seqs: the step's sampling sequences.
@@ -213,6 +235,15 @@ class StructuredOutputs:
             done = running.plan
         else:
             done = self._done
+        if done is not None and _continues(done, seqs):
+            # the fill's step again, each row one token on: every row takes its mask
+            self.settle()
+            self._done = None
+            self.buffers.mark_read()
+            self.rows_ahead += len(done.grammars)
+            bits = self.buffers.hand_over(done.masks, len(done.grammars))
+            return StepBitmask.build(bits, done.step_rows, len(seqs), self.device,
+                                     source=done.source)
         rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         source = here = None
         if rows and done is not None:
@@ -256,7 +287,7 @@ class StructuredOutputs:
         ``base``, ``base + 1``, ... in order (the calls take the rows in template order)."""
         host_prev = None
         matchers, grammars, singles = [], [], []
-        order = _template_order([seq.grammar.group for seq in seqs])
+        order = _template_order([seq.grammar for seq in seqs])
         for j in range(len(seqs)) if order is None else order:
             seq = seqs[j]
             grammar = seq.grammar
@@ -325,7 +356,8 @@ class _AheadPlan:
     """An ahead fill to run: ``grammars`` in template order (the rows of the masks), the
     step's row of each (``rows``), the fill's number and its buffers, and the lists its
     llguidance calls take (built before the sampled ids are known): the matchers, and each
-    with its row of the masks."""
+    with its row of the masks; and what tells whether the next step samples the same rows
+    (:func:`_continues`)."""
 
     grammars: list
     rows: np.ndarray
@@ -334,6 +366,13 @@ class _AheadPlan:
     matchers: list
     targets: list
     accepted: threading.Event  # set once the sampled ids are accepted (or the fill failed)
+    seqs: list  # the step's sampling sequences (the scheduler's list)
+    pos: np.ndarray  # the position of each one's sampled token
+    # the step rows of the masks ascending, and the mask of each (None: in order); None
+    # when some constrained row of the step is not in the fill
+    step_rows: np.ndarray | None
+    source: np.ndarray | None
+    ok: bool = False  # every row took its token (set before ``accepted``)
 
 
 @dataclass(slots=True)
@@ -346,10 +385,27 @@ class _Running:
     plan: _AheadPlan
 
 
-def _template_order(groups: list[int]) -> list[int] | None:
-    """The positions of ``groups`` (each row's template) in template order, stably; None
-    when they are in it already."""
-    keys = np.fromiter(groups, dtype=np.int64, count=len(groups))
+def _continues(plan: _AheadPlan, seqs: list[Sequence]) -> bool:
+    """Whether a step of sampling sequences ``seqs`` samples exactly the rows of ``plan``'s
+    step, in order, the fill took every constrained row of that step and each took its
+    token: then each row's mask from the fill is the one for its state now (one token on;
+    no row finished, none came or went, none was preempted), and row ``r`` is ``plan``'s row
+    ``r`` (the list compares by identity: ``Sequence`` has no ``__eq__``)."""
+    return plan.step_rows is not None and plan.ok and seqs == plan.seqs
+
+
+def _sorted_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """``rows`` ascending, and the position in ``rows`` of each (None when in order)."""
+    if rows.size < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return rows, None
+    source = np.argsort(rows, kind="stable")
+    return rows[source], source
+
+
+def _template_order(grammars: list[SequenceGrammar]) -> list[int] | None:
+    """The positions of ``grammars`` in the order of their templates (``group``), stably;
+    None when they are in it already."""
+    keys = np.fromiter(map(_GROUP, grammars), dtype=np.int64, count=len(grammars))
     if keys.size < 2 or bool((keys[1:] >= keys[:-1]).all()):
         return None
     return np.argsort(keys, kind="stable").tolist()

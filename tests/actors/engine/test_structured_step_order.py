@@ -32,10 +32,12 @@ def _requests() -> list:
     return [(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
 
-def _run(model: str, split: bool) -> tuple[dict, list[str]]:
+def _run(model: str, split: bool, max_templates: int | None = None) -> tuple[dict, list[str]]:
     """The outputs by (id, sample index), and the engine's calls in order: ``model`` (inputs,
     forward, LM head), ``sample`` and ``process`` (a launched step read back)."""
     engine = make_engine(model)
+    if max_templates is not None:
+        engine.structured.max_templates = max_templates
     calls: list[str] = []
     executor = engine.executor
     launch_model, sample, process = executor.launch_model, executor.sample, engine._process
@@ -133,7 +135,7 @@ class _Watched:
         object.__setattr__(self, "_state", state)
 
     def __getattr__(self, name):
-        self._state["read"] = True
+        self._state["late" if self._state.get("waiting") else "read"] = True
         return getattr(self._grammar, name)
 
     def __setattr__(self, name, value):
@@ -143,12 +145,13 @@ class _Watched:
 def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
     """``step_mask`` decides which rows take a mask from the ahead fill (reading their
     grammars' fields, final once the fill has accepted) before it waits for the fill's masks,
-    so that work is off the chain between two samplers."""
+    so that work is off the chain between two samplers; a step that samples the fill's rows
+    again reads no row at all."""
     engine = make_engine(tiny_llama)
     structured = engine.structured
     step_mask, settle = structured.step_mask, structured.settle
     state: dict = {"inside": False}
-    read_before_wait: list[bool] = []
+    steps: list[tuple[bool, bool]] = []  # (rows read before the wait, rows read after it)
 
     def spy_step_mask(seqs, prev_tokens):
         row = next((seq for seq in seqs if seq.grammar is not None), None)
@@ -156,15 +159,18 @@ def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
             return step_mask(seqs, prev_tokens)
         grammar = row.grammar
         row.grammar = _Watched(grammar, state)
-        state.update(inside=True, read=False, filling=structured._running is not None)
+        state.update(inside=True, read=False, late=False, waiting=False,
+                     filling=structured._running is not None)
         try:
             return step_mask(seqs, prev_tokens)
         finally:
             row.grammar, state["inside"] = grammar, False
+            if state["waiting"]:
+                steps.append((state["read"], state["late"]))
 
     def spy_settle(output=None):
         if state["inside"] and state["filling"]:
-            read_before_wait.append(state["read"])
+            state["waiting"] = True
         return settle(output)
 
     structured.step_mask, structured.settle = spy_step_mask, spy_settle
@@ -172,5 +178,37 @@ def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
         outputs = by_id(engine.generate(_requests()))
     finally:
         engine.close()
-    assert len(read_before_wait) >= 10 and all(read_before_wait)
+    assert len(steps) >= 10 and not any(late for _, late in steps)
+    assert sum(read for read, _ in steps) >= 3  # steps whose rows changed: sorted ahead
+    assert sum(not read for read, _ in steps) >= 3  # the same rows again: none read
     assert len(outputs) == 8 and all(o.error is None for o in outputs.values())
+
+
+def test_steps_of_the_fill_rows_again_take_the_masks_as_a_sorted_step_would(tiny_llama,
+                                                                         monkeypatch):
+    """A step that samples the rows of the fill before it (``_continues``: no row came or
+    went) reuses that fill's order and row map instead of reading each row: the outputs
+    equal those of every step sorting its rows."""
+    from actors.engine import structured as structured_module
+    from actors.engine import structured_sequence
+
+    continues = structured_module._continues
+    taken: list[bool] = []
+
+    def spy(plan, seqs):
+        taken.append(continues(plan, seqs))
+        return taken[-1]
+
+    # a template a row, three in turn: the masks' order is not the rows' (a row map to reuse)
+    monkeypatch.setattr(structured_sequence, "ROWS_PER_TEMPLATE", 1)
+    monkeypatch.setattr(structured_module, "_continues", spy)
+    fast, _ = _run(tiny_llama, split=True, max_templates=3)
+    monkeypatch.setattr(structured_module, "_continues", lambda plan, seqs: False)
+    slow, _ = _run(tiny_llama, split=True, max_templates=3)
+    assert sum(taken) >= 10 and not all(taken)
+    assert fast.keys() == slow.keys() and len(fast) == 8
+    for key, out in fast.items():
+        other = slow[key]
+        assert out.output_token_ids == other.output_token_ids, key
+        assert (out.finish_reason, out.logprobs, out.top_logprobs) == \
+            (other.finish_reason, other.logprobs, other.top_logprobs)
