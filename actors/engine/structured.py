@@ -31,12 +31,13 @@ import torch
 from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
 from actors.engine.structured_compile import ConstraintCompiler
-from actors.engine.structured_masks import Masks, MaskBuffers
+from actors.engine.structured_masks import MaskBuffers
+from actors.engine.structured_plan import AheadPlan, continues, sorted_rows, template_order
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
 
-_GRAMMAR, _GROUP, _MATCHER = attrgetter("grammar"), attrgetter("group"), attrgetter("matcher")
+_GRAMMAR, _MATCHER = attrgetter("grammar"), attrgetter("matcher")
 
 
 class StructuredOutputs:
@@ -72,8 +73,8 @@ class StructuredOutputs:
         self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._running: _Running | None = None  # the ahead fill running (see advance)
-        self._done: _AheadPlan | None = None  # its plan (masks), for the next step_mask
-        self._last: _AheadPlan | None = None  # the latest plan (the next may repeat it)
+        self._done: AheadPlan | None = None  # its plan (masks), for the next step_mask
+        self._last: AheadPlan | None = None  # the latest plan (the next may repeat it)
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -123,14 +124,14 @@ class StructuredOutputs:
         order, each row's place in the masks (``mask_turn``, ``mask_row``, ``mask_at``; the
         ahead fill takes it back from a row that refuses its token) and the lists of its
         llguidance calls; when the step samples the last fill's rows again, one token on
-        (:func:`_continues`), that fill's order and lists are taken as they are. The ahead
+        (:func:`continues`), that fill's order and lists are taken as they are. The ahead
         fill notes where the grammars ended right after its accept (:meth:`wait_accepted`
         returns then), and uploads its masks itself."""
         self.settle()
         self.buffers.mark_read()  # the sampler that reads the last step_mask's masks is queued
         pos = np.asarray(pending_pos, dtype=np.int64)
         last = self._last
-        if last is not None and _continues(last, seqs) and np.array_equal(pos, last.pos + 1):
+        if last is not None and continues(last, seqs) and np.array_equal(pos, last.pos + 1):
             # the last fill's rows again, each one token on: its order and lists again
             picked, rows, matchers, targets = last.grammars, last.rows, last.matchers, \
                 last.targets
@@ -146,14 +147,14 @@ class StructuredOutputs:
                 self._last = None
                 return
             picked = [grammars[r] for r in chosen]
-            order = _template_order(picked)
+            order = template_order(picked)
             if order is not None:
                 picked = [picked[j] for j in order]
                 chosen = [chosen[j] for j in order]
             rows = np.asarray(chosen, dtype=np.int64)
             matchers = list(map(_MATCHER, picked))
             targets = list(zip(matchers, range(len(picked))))
-            step_rows, source = _sorted_rows(rows)
+            step_rows, source = sorted_rows(rows)
             if len(picked) + grammars.count(None) < len(seqs):
                 step_rows = None  # not every constrained row: the next step_mask sorts them
         self._fills += 1
@@ -163,7 +164,7 @@ class StructuredOutputs:
                 turn, j, grammar.num_accepted + 1
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-        plan = self._last = _AheadPlan(picked, rows, turn, self.buffers.take(), matchers,
+        plan = self._last = AheadPlan(picked, rows, turn, self.buffers.take(), matchers,
                                        targets, threading.Event(), seqs, pos, step_rows, source)
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
                                  plan)
@@ -194,7 +195,7 @@ class StructuredOutputs:
             # set even when the fill fails (its error comes from settle)
             self._running.plan.accepted.wait()
 
-    def _advance(self, plan: "_AheadPlan", output: Any) -> None:
+    def _advance(self, plan: "AheadPlan", output: Any) -> None:
         try:
             tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
             grammars, targets = plan.grammars, plan.targets
@@ -218,7 +219,7 @@ class StructuredOutputs:
         device; None when no row is constrained. A row the ahead fill left at the state
         this step samples from takes its mask; the others (new rows, rows back from a
         preemption, a step without an ahead fill) accept their unaccepted tokens and are
-        filled here. A step that samples the fill's rows again (:func:`_continues`) takes
+        filled here. A step that samples the fill's rows again (:func:`continues`) takes
         every mask in the fill's order, without reading a row.
 
         Args:
@@ -235,7 +236,7 @@ class StructuredOutputs:
             done = running.plan
         else:
             done = self._done
-        if done is not None and _continues(done, seqs):
+        if done is not None and continues(done, seqs):
             # the fill's step again, each row one token on: every row takes its mask
             self.settle()
             self._done = None
@@ -287,7 +288,7 @@ class StructuredOutputs:
         ``base``, ``base + 1``, ... in order (the calls take the rows in template order)."""
         host_prev = None
         matchers, grammars, singles = [], [], []
-        order = _template_order([seq.grammar for seq in seqs])
+        order = template_order([seq.grammar for seq in seqs])
         for j in range(len(seqs)) if order is None else order:
             seq = seqs[j]
             grammar = seq.grammar
@@ -352,63 +353,13 @@ class StructuredOutputs:
 
 
 @dataclass(slots=True)
-class _AheadPlan:
-    """An ahead fill to run: ``grammars`` in template order (the rows of the masks), the
-    step's row of each (``rows``), the fill's number and its buffers, and the lists its
-    llguidance calls take (built before the sampled ids are known): the matchers, and each
-    with its row of the masks; and what tells whether the next step samples the same rows
-    (:func:`_continues`)."""
-
-    grammars: list
-    rows: np.ndarray
-    turn: int
-    masks: Masks
-    matchers: list
-    targets: list
-    accepted: threading.Event  # set once the sampled ids are accepted (or the fill failed)
-    seqs: list  # the step's sampling sequences (the scheduler's list)
-    pos: np.ndarray  # the position of each one's sampled token
-    # the step rows of the masks ascending, and the mask of each (None: in order); None
-    # when some constrained row of the step is not in the fill
-    step_rows: np.ndarray | None
-    source: np.ndarray | None
-    ok: bool = False  # every row took its token (set before ``accepted``)
-
-
-@dataclass(slots=True)
 class _Running:
     """The ahead fill running: its future, the output of the step whose sampled ids it takes,
     and its plan (whose ``accepted`` event is set once it accepted them)."""
 
     future: Future
     output: Any
-    plan: _AheadPlan
-
-
-def _continues(plan: _AheadPlan, seqs: list[Sequence]) -> bool:
-    """Whether a step of sampling sequences ``seqs`` samples exactly the rows of ``plan``'s
-    step, in order, the fill took every constrained row of that step and each took its
-    token: then each row's mask from the fill is the one for its state now (one token on;
-    no row finished, none came or went, none was preempted), and row ``r`` is ``plan``'s row
-    ``r`` (the list compares by identity: ``Sequence`` has no ``__eq__``)."""
-    return plan.step_rows is not None and plan.ok and seqs == plan.seqs
-
-
-def _sorted_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """``rows`` ascending, and the position in ``rows`` of each (None when in order)."""
-    if rows.size < 2 or bool((rows[1:] > rows[:-1]).all()):
-        return rows, None
-    source = np.argsort(rows, kind="stable")
-    return rows[source], source
-
-
-def _template_order(grammars: list[SequenceGrammar]) -> list[int] | None:
-    """The positions of ``grammars`` in the order of their templates (``group``), stably;
-    None when they are in it already."""
-    keys = np.fromiter(map(_GROUP, grammars), dtype=np.int64, count=len(grammars))
-    if keys.size < 2 or bool((keys[1:] >= keys[:-1]).all()):
-        return None
-    return np.argsort(keys, kind="stable").tolist()
+    plan: AheadPlan
 
 
 def _host_list(tokens: Any) -> list[int]:

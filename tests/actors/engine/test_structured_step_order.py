@@ -186,13 +186,13 @@ def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
 
 def test_steps_of_the_fill_rows_again_take_the_masks_as_a_sorted_step_would(tiny_llama,
                                                                          monkeypatch):
-    """A step that samples the rows of the fill before it (``_continues``: no row came or
+    """A step that samples the rows of the fill before it (``continues``: no row came or
     went) reuses that fill's order and row map instead of reading each row: the outputs
     equal those of every step sorting its rows."""
     from actors.engine import structured as structured_module
     from actors.engine import structured_sequence
 
-    continues = structured_module._continues
+    continues = structured_module.continues
     taken: list[bool] = []
 
     def spy(plan, seqs):
@@ -201,9 +201,9 @@ def test_steps_of_the_fill_rows_again_take_the_masks_as_a_sorted_step_would(tiny
 
     # a template a row, three in turn: the masks' order is not the rows' (a row map to reuse)
     monkeypatch.setattr(structured_sequence, "ROWS_PER_TEMPLATE", 1)
-    monkeypatch.setattr(structured_module, "_continues", spy)
+    monkeypatch.setattr(structured_module, "continues", spy)
     fast, _ = _run(tiny_llama, split=True, max_templates=3)
-    monkeypatch.setattr(structured_module, "_continues", lambda plan, seqs: False)
+    monkeypatch.setattr(structured_module, "continues", lambda plan, seqs: False)
     slow, _ = _run(tiny_llama, split=True, max_templates=3)
     assert sum(taken) >= 10 and not all(taken)
     assert fast.keys() == slow.keys() and len(fast) == 8
