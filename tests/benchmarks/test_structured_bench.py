@@ -83,9 +83,9 @@ def test_a_saved_tokenizer_lists_its_added_tokens_and_loads_without_its_json_par
 
     from toolkit.tiny_model import train_tokenizer
 
-    bench = load_benchmark("structured_bench")
+    vocab = load_benchmark("bench_vocab")
     tok = train_tokenizer(512)
-    bench.save_tokenizer(tok, tmp_path)
+    vocab.save_tokenizer(tok, tmp_path)
     listed = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     assert {int(i): t["content"] for i, t in listed.items()} == \
         {i: t.content for i, t in tok.added_tokens_decoder.items()}
