@@ -221,7 +221,8 @@ class Sampler:
         Args:
             logits: ``[rows, vocab_size]`` float32/bf16/fp16 on ``device`` (a vocab slice of a
                 padded tensor is fine). Float32 logits are overwritten (they end as the
-                processed logits); bf16/fp16 logits are left untouched.
+                processed logits); bf16/fp16 logits are left untouched, but for the tokens
+                ``token_bitmask`` clears, which may become -inf.
             slots: the slot of each row: a list of ints, a CPU LongTensor, or a LongTensor on
                 the device (then the host-side predicates consider every active slot).
             device_slots: optional int64 ``[rows]`` copy of host ``slots`` already on the

@@ -104,15 +104,17 @@ class StepExecutor:
         """Samples every row, starts the copies back, marks each row's token PENDING."""
         sample_seqs = sched.sample_seqs
         wants_extra = any([seq.request.token_logprobs for seq in sample_seqs])
-        # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
-        # backend's fallback): keep the raw ones for the extra logprobs
-        raw = logits.clone() if wants_extra and logits.dtype == torch.float32 else logits
         mask = None
         structured = self.structured
         if structured is not None and structured.num_active:
             # the forward is queued: this step's masks, filled ahead (StructuredOutputs.
             # advance) or now for rows new to them
             mask = structured.step_mask(sample_seqs, lambda: prev.output.get().token_ids)
+        # the sampler may overwrite float32 logits (the torch pipeline, also as the Triton
+        # backend's fallback) and the masked tokens of any logits: keep the raw ones for the
+        # extra logprobs
+        raw = logits.clone() if wants_extra and (logits.dtype == torch.float32
+                                                 or mask is not None) else logits
         out = self.sampler.sample(logits, inputs.sample_slots,
                                   device_slots=self.runner.sample_slots, token_bitmask=mask)
         if wants_extra:

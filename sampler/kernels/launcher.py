@@ -8,14 +8,17 @@ other all-greedy steps run the greedy split (pass 1 over vocab chunks, then the 
 Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for what the kernels
 do not compute (processed logprobs modes, whole-vocab logprobs, more top-k logprobs than the
 candidate list, fp64 noise) run on the torch path; the choice is made on the host from the step
-plan, without a device sync. Steps with grammar masks
-(``HAS_GRAMMAR``) skip the candidate path and the one-launch greedy step: the fused kernel and
-the greedy split's pass 1 apply the masks on the tiles they read.
+plan, without a device sync. A step with grammar masks and no logprobs writes -inf over its
+masked tokens first (one pass that reads no logit) and then runs as an unmasked step; one
+with logprobs (whose raw values must be the model's) runs with ``HAS_GRAMMAR``: it skips the
+candidate path and the one-launch greedy step, and the fused kernel and the greedy split's
+pass 1 apply the masks on the tiles they read.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 import triton
@@ -29,6 +32,7 @@ from sampler.kernels.rank import _chunk_rank_kernel
 from sampler.kernels.record import record_kwargs, record_sampled_triton
 from sampler.kernels.row_stats import _stats_kernel
 from sampler.kernels.tables import kernel_tables
+from sampler.kernels.token_bitmask_kernel import apply_token_bitmask_triton
 from sampler.pipeline import PROCESSED_LOGITS, PROCESSED_LOGPROBS, run_pipeline
 from sampler.sampler_output import SamplerOutput
 from sampler.step_plan import StepPlan
@@ -65,11 +69,14 @@ def run_pipeline_triton(
 
     Args:
         logits: ``[rows, vocab]`` float32/bf16/fp16; the vocab dimension must have stride 1
-            (a vocab slice of a padded tensor is fine). Never modified.
+            (a vocab slice of a padded tensor is fine). Modified only by a step with grammar
+            masks and no logprobs, with ``inplace``: its masked tokens become -inf.
         idx_mapping: ``[rows]`` int64 on the logits' device, the slot of each row.
         state: the flushed :class:`~sampler.state.SamplerState`.
         plan: the host-side predicates of this batch.
-        inplace: accepted for the torch path's contract (the kernel never writes logits).
+        inplace: whether the logits may be written: then a step with grammar masks and no
+            logprobs (whose raw values nothing reads) writes -inf over its masked tokens in
+            one pass first, and its kernels read no mask.
         precision: Gumbel noise precision; "fp64" runs the torch path.
         thresholds: optional ``[rows]`` float32 output: each random row's kept-set threshold
             (keep t iff processed logit / T >= threshold), for tests; asking for it turns the
@@ -97,6 +104,10 @@ def run_pipeline_triton(
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if plan.do_grammar and inplace and not plan.any_logprobs:
+        mask = state.token_bitmask
+        apply_token_bitmask_triton(logits, mask.bits, mask.rows)
+        plan = replace(plan, do_grammar=False)
     rows, vocab = logits.shape
     dev = logits.device
     k = plan.max_num_logprobs

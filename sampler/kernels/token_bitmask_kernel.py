@@ -6,7 +6,9 @@ it reads one int32 word per 32 tokens (1/32 of the logits' bytes) and turns ever
 whose bit is 0 into -inf. :func:`_bitmask_lanes` does the same on ``[R, VEC]`` tiles with
 one word load a lane instead of one a token (:func:`_lane_bits`, also the penalties' touched
 tokens). :func:`apply_token_bitmask_triton` is the standalone op with the
-signature of :func:`sampler.ops.token_bitmask.apply_token_bitmask`, its torch oracle.
+signature of :func:`sampler.ops.token_bitmask.apply_token_bitmask`, its torch oracle: it
+writes -inf over the masked tokens of the logits (the launcher's pass for a step whose kernels
+then read no mask).
 """
 
 from __future__ import annotations
@@ -64,28 +66,31 @@ def _mask_row(grow_ptr, row, HAS_GRAMMAR: tl.constexpr):
 @triton.jit
 def _apply_token_bitmask_kernel(logits_ptr, stride_row, V, bits_ptr, W, rows_ptr,
                                 BLOCK: tl.constexpr):
+    """Writes -inf where mask ``j`` clears a token of its logits row; reads no logit."""
     j = tl.program_id(0)  # mask index
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     vmask = offs < V
     row = tl.load(rows_ptr + j)
-    ptr = logits_ptr + row * stride_row + offs
-    x = tl.load(ptr, mask=vmask, other=0.0)
-    x = _bitmask_tile(x, offs, vmask, bits_ptr, j, W)
-    tl.store(ptr, x, mask=vmask)
+    words = tl.load(bits_ptr + j.to(tl.int64) * W + offs // 32,
+                    mask=vmask & (offs < W * 32), other=0)
+    cleared = ((words >> (offs % 32)) & 1) == 0
+    tl.store(logits_ptr + row * stride_row + offs, float("-inf"), mask=vmask & cleared)
 
 
 def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor,
                                mask_rows: torch.Tensor, block: int = 1024) -> None:
     """Masks every token a constrained row's grammar does not allow (in place); the same
-    contract as :func:`sampler.ops.token_bitmask.apply_token_bitmask`.
+    contract as :func:`sampler.ops.token_bitmask.apply_token_bitmask`. Only the masked
+    tokens are written (-inf); no logit is read.
 
     Args:
-        logits: ``[rows, vocab]`` float32, vocab stride 1, modified in place.
+        logits: ``[rows, vocab]`` float32, bf16 or fp16, vocab stride 1, modified in place.
         bitmask: ``[num_masked, ceil(vocab / 32)]`` int32, contiguous.
         mask_rows: ``[num_masked]`` int64, the logits row of each mask.
-        block: tokens a program reads.
+        block: tokens a program covers.
     """
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert logits.stride(1) == 1
     assert bitmask.dtype == torch.int32 and bitmask.is_contiguous()
     assert mask_rows.shape == (bitmask.shape[0],)
     rows, vocab = logits.shape

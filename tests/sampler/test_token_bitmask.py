@@ -115,20 +115,22 @@ def test_a_bitmask_of_the_wrong_shape_is_refused():
 
 @pytest.mark.parametrize("rows,vocab,block", [(1, 31, 64), (7, 111, 64), (5, 1000, 256),
                                               (3, 4133, 1024)])
-def test_triton_bitmask_kernel_matches_torch(rows, vocab, block):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_bitmask_kernel_matches_torch(rows, vocab, block, dtype):
     from sampler.kernels.token_bitmask_kernel import apply_token_bitmask_triton
 
     logits = random_logits(rows, vocab, 5)
     mask_rows = torch.tensor([r for r in range(rows) if r % 3 != 1], dtype=torch.int64)
     bits = pack(random_allowed(len(mask_rows), vocab, vocab))
-    want, got = logits.clone(), logits.clone()
+    want = logits.clone()
     apply_token_bitmask(want, bits, mask_rows)
+    got = logits.to(dtype)
     apply_token_bitmask_triton(got, bits, mask_rows, block=block)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want.to(dtype))
     # a strided vocab slice of a padded tensor: the padding is never written
-    padded = torch.cat([logits, torch.full((rows, 13), 7.0)], dim=1)
+    padded = torch.cat([logits, torch.full((rows, 13), 7.0)], dim=1).to(dtype)
     apply_token_bitmask_triton(padded[:, :vocab], bits, mask_rows, block=block)
-    assert torch.equal(padded[:, :vocab], want) and (padded[:, vocab:] == 7.0).all()
+    assert torch.equal(padded[:, :vocab], want.to(dtype)) and (padded[:, vocab:] == 7.0).all()
 
 
 MIXES = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
@@ -137,44 +139,61 @@ MIXES = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top
 
 
 @pytest.mark.parametrize("vocab", [111, 2000])
-def test_triton_backend_with_masks_equals_torch(vocab, monkeypatch):
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_triton_backend_with_masks_equals_torch(vocab, logprobs, monkeypatch):
     """Masked and unmasked rows of every sampling kind: the Triton kernels (not the torch
     fallback) draw the tokens the torch path draws (counter-based noise), with the same raw
-    logprobs."""
+    logprobs. Without logprobs in the step the masked tokens are first written -inf into the
+    logits (one pass) and the kernels read no mask; with them the kernels mask their tiles
+    and the logits are left as they were."""
     import sampler.kernels.launcher as kp
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("the Triton backend fell back to the torch path")
 
     monkeypatch.setattr(kp, "run_pipeline", no_fallback)
-    rows = 2 * len(MIXES)
-    params = [SamplingParams(seed=40 + r, **MIXES[r % len(MIXES)]) for r in range(rows)]
+    passes = []
+    pre_mask = kp.apply_token_bitmask_triton
+    monkeypatch.setattr(kp, "apply_token_bitmask_triton",
+                        lambda *args: passes.append(1) or pre_mask(*args))
+    mixes = MIXES if logprobs else [m for m in MIXES if "logprobs" not in m]
+    rows = 2 * len(mixes)
+    params = [SamplingParams(seed=40 + r, **mixes[r % len(mixes)]) for r in range(rows)]
     logits = random_logits(rows, vocab, 6)
     mask_rows = np.array([r for r in range(rows) if r % 2 == 0])
     allowed = random_allowed(len(mask_rows), vocab, 3, density=0.2)
-    outs = {}
+    outs, given = {}, {}
     for backend in ("torch", "triton"):
         s = _sampler(params, vocab, backend)
         mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
-        outs[backend] = s.sample(logits.clone(), list(range(rows)), token_bitmask=mask)
+        given[backend] = logits.clone()
+        outs[backend] = s.sample(given[backend], list(range(rows)), token_bitmask=mask)
+    assert passes == ([] if logprobs else [1])
+    masked = logits.clone()
+    apply_token_bitmask(masked, pack(allowed), torch.from_numpy(mask_rows))
+    assert torch.equal(given["triton"], logits if logprobs else masked)
     assert torch.equal(outs["torch"].token_ids, outs["triton"].token_ids)
-    asked = [r for r in range(rows) if params[r].logprobs is not None]
-    assert torch.allclose(outs["torch"].logprobs[asked], outs["triton"].logprobs[asked],
-                          atol=1e-5)
+    if logprobs:
+        asked = [r for r in range(rows) if params[r].logprobs is not None]
+        assert torch.allclose(outs["torch"].logprobs[asked], outs["triton"].logprobs[asked],
+                              atol=1e-5)
     for j, r in enumerate(mask_rows):
         assert allowed[j, outs["triton"].token_ids[r].item()]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_gpu_backends_respect_masks_on_bf16_logits(backend):
+@pytest.mark.parametrize("backend,logprobs", [("triton", True), ("triton", False),
+                                              ("flashinfer", True)])
+def test_gpu_backends_respect_masks_on_bf16_logits(backend, logprobs):
     """151,936-wide bf16 logits, 64 rows (half masked): every masked row samples an allowed
-    token; the Triton backend draws the torch path's tokens."""
+    token; the Triton backend draws the torch path's tokens (without logprobs in the step,
+    after writing -inf over the masked tokens first)."""
     dev = torch.device("cuda")
     vocab, rows = 151936, 64
-    params = [SamplingParams(**MIXES[r % len(MIXES)]) if backend == "flashinfer" else
-              SamplingParams(seed=7 + r, **MIXES[r % len(MIXES)]) for r in range(rows)]
+    mixes = MIXES if logprobs else [m for m in MIXES if "logprobs" not in m]
+    params = [SamplingParams(**mixes[r % len(mixes)]) if backend == "flashinfer" else
+              SamplingParams(seed=7 + r, **mixes[r % len(mixes)]) for r in range(rows)]
     logits = random_logits(rows, vocab, 8).to(dev, torch.bfloat16)
     mask_rows = np.arange(0, rows, 2)
     allowed = random_allowed(len(mask_rows), vocab, 4, density=0.001)
