@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -45,28 +46,36 @@ def connect(address: str | None) -> None:
         # a many-core node compete with the actors' own start); actors start their own
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                  _system_config={"prestart_worker_first_driver": False})
+        atexit.register(_stop_monitor)  # runs before Ray's exit hook, registered earlier
     logger.info("Ray ready in %.1f s", time.perf_counter() - started)
 
 
 def disconnect() -> None:
-    """Ends this process's Ray session (``ray.shutdown``): a local Ray it started stops, a
-    cluster is only left. The local Ray's autoscaler monitor (nothing to keep on one node) is
-    killed first: Ray stops it after the GCS, and with the GCS gone it does not end on
-    SIGTERM, so the shutdown would wait a second for it before killing it anyway."""
+    """Ends this process's Ray session (``ray.shutdown``): a local Ray it started stops
+    (its monitor first, :func:`_stop_monitor`), a cluster is only left."""
     import ray
 
-    node = getattr(getattr(ray, "_private", None), "worker", None)
-    node = getattr(node, "_global_node", None)
-    if node is not None and getattr(node, "head", False):
-        for info in getattr(node, "all_processes", {}).get("monitor", []):
-            process = info.process
-            if process.poll() is None:
-                process.kill()
-                try:
-                    process.wait(timeout=5)
-                except subprocess.TimeoutExpired:  # left to the shutdown, as before
-                    pass
+    _stop_monitor()
     ray.shutdown()
+
+
+def _stop_monitor() -> None:
+    """Kills the autoscaler monitor of the local Ray this process started, if it runs
+    (nothing to keep on one node): Ray's shutdown stops it after the GCS, and with the GCS
+    gone it does not end on SIGTERM, so the shutdown would wait a second for it before
+    killing it anyway. Also run at the interpreter's exit, before Ray's own exit hook."""
+    ray = sys.modules.get("ray")
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    if node is None or not getattr(node, "head", False):
+        return
+    for info in getattr(node, "all_processes", {}).get("monitor", []):
+        process = info.process
+        if process.poll() is None:
+            process.kill()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # left to the shutdown, as before
+                pass
 
 
 def replica_bundles(engine_options: Any, num_gpus_per_actor: float,

@@ -37,8 +37,9 @@ def test_a_replica_must_fit_on_one_node(two_nodes):
         check_resources(3, 0, 3)
 
 
-_DISCONNECT = """
+_END_LOCAL_RAY = """
 import json
+import sys
 import ray
 from ray._private import node as ray_node
 from jobs.cluster import connect, disconnect
@@ -51,31 +52,38 @@ kill = ray_node.Node._kill_process_type
 
 def spy(self, kind, **kw):  # Ray's shutdown, one process kind at a time
     order.append((kind, [p.poll() for p in processes["monitor"]]))
-    return kill(self, kind, **kw)
+    result = kill(self, kind, **kw)
+    if kind == "log_monitor":  # the last kind Ray stops
+        print(json.dumps({"order": order, "ended": {k: [p.poll() for p in ps]
+                                                    for k, ps in processes.items()}}),
+              flush=True)
+    return result
 
 ray_node.Node._kill_process_type = spy
-disconnect()
-print(json.dumps({"order": order, "ended": {kind: [p.poll() for p in ps]
-                                            for kind, ps in processes.items()}}))
+if sys.argv[1] == "disconnect":
+    disconnect()
 """
 
 
 @pytest.mark.ray
-def test_disconnect_ends_the_local_ray_its_monitor_first():
-    """The local Ray's autoscaler monitor is killed before Ray's shutdown stops the raylet and
-    the GCS (stopped after them, it waits for the GCS until the shutdown kills it), and every
-    process of that Ray has ended when ``disconnect`` returns."""
+@pytest.mark.parametrize("how", ["disconnect", "exit"])
+def test_the_local_ray_ends_with_its_monitor_killed_first(how):
+    """Whether the session ends by ``disconnect`` (the CLI after a run) or at the
+    interpreter's exit (Ray's exit hook), the local Ray's autoscaler monitor is killed before
+    Ray's shutdown stops the raylet and the GCS (stopped after them, it waits for the GCS
+    until the shutdown kills it), and every process of that Ray has ended."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    run = subprocess.run([sys.executable, "-c", _DISCONNECT], capture_output=True, text=True,
-                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    run = subprocess.run([sys.executable, "-c", _END_LOCAL_RAY, how], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
     first_kind, monitor_then = result["order"][0]
     assert first_kind == "raylet" and monitor_then == [-9]  # SIGKILLed before the raylet
     assert "monitor" in result["ended"]
-    assert all(code is not None for codes in result["ended"].values() for code in codes)
+    assert all(code is not None for kind, codes in result["ended"].items() for code in codes
+               if kind != "log_monitor")  # (the last one, stopped as this is printed)
     assert "autoscaler failed" not in run.stderr
