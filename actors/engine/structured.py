@@ -236,16 +236,9 @@ class StructuredOutputs:
             done = running.plan
         else:
             done = self._done
-        if done is not None and continues(done, seqs):
-            # the fill's step again, each row one token on: every row takes its mask
-            self.settle()
-            self._done = None
-            self.buffers.mark_read()
-            self.rows_ahead += len(done.grammars)
-            bits = self.buffers.hand_over(done.masks, len(done.grammars))
-            return StepBitmask.build(bits, done.step_rows, len(seqs), self.device,
-                                     source=done.source)
-        rows = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
+        # the fill's step again, each row one token on: every row takes its mask, none is read
+        repeat = done is not None and continues(done, seqs)
+        rows = [] if repeat else [r for r, seq in enumerate(seqs) if seq.grammar is not None]
         source = here = None
         if rows and done is not None:
             turn, base = done.turn, len(done.grammars)
@@ -262,6 +255,11 @@ class StructuredOutputs:
         self.settle()  # the masks filled ahead are uploading
         self._done = None
         self.buffers.mark_read()
+        if repeat:
+            self.rows_ahead += len(done.grammars)
+            bits = self.buffers.hand_over(done.masks, len(done.grammars))
+            return StepBitmask.build(bits, done.step_rows, len(seqs), self.device,
+                                     source=done.source)
         if not rows:
             return None
         if done is None:  # every row is filled here, in order
