@@ -24,11 +24,17 @@ def _bitmask_tile(x, offs, vmask, bits_ptr, mrow, W):
     every token the row's mask clears set to -inf; ``mrow`` is the row's mask index in
     ``bits_ptr`` (``[num_masked, W]`` int32), -1 for an unconstrained row (unchanged)."""
     if mrow >= 0:
-        words = tl.load(bits_ptr + mrow.to(tl.int64) * W + offs // 32,
-                        mask=vmask & (offs < W * 32), other=0)
-        allowed = ((words >> (offs % 32)) & 1) != 0
-        x = tl.where(allowed, x, float("-inf"))
+        x = tl.where(_allowed(bits_ptr, mrow, W, offs, vmask), x, float("-inf"))
     return x
+
+
+@triton.jit
+def _allowed(bits_ptr, mrow, W, offs, vmask):
+    """Whether mask ``mrow`` (of ``bits_ptr``, ``W`` words a mask) allows each token ``offs``
+    (False outside ``vmask`` and past its words)."""
+    words = tl.load(bits_ptr + mrow.to(tl.int64) * W + offs // 32,
+                    mask=vmask & (offs < W * 32), other=0)
+    return ((words >> (offs % 32)) & 1) != 0
 
 
 @triton.jit
@@ -71,10 +77,8 @@ def _apply_token_bitmask_kernel(logits_ptr, stride_row, V, bits_ptr, W, rows_ptr
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     vmask = offs < V
     row = tl.load(rows_ptr + j)
-    words = tl.load(bits_ptr + j.to(tl.int64) * W + offs // 32,
-                    mask=vmask & (offs < W * 32), other=0)
-    cleared = ((words >> (offs % 32)) & 1) == 0
-    tl.store(logits_ptr + row * stride_row + offs, float("-inf"), mask=vmask & cleared)
+    cleared = vmask & ~_allowed(bits_ptr, j, W, offs, vmask)
+    tl.store(logits_ptr + row * stride_row + offs, float("-inf"), mask=cleared)
 
 
 def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor,
