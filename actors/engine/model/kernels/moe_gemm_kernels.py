@@ -60,6 +60,56 @@ def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _along_n(v, SWAP: tl.constexpr):
+    """A ``[BN]`` vector of output columns broadcast over a tile's rows: ``[1, BN]``, or
+    ``[BN, 1]`` in a swapped (``[BN, BM]``) tile."""
+    if SWAP:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def _along_m(v, SWAP: tl.constexpr):
+    """A ``[BM]`` vector of rows broadcast over a tile's columns (as :func:`_along_n`)."""
+    if SWAP:
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def _gate_up_out(acc_g, acc_u, b_ptr, e, stride_be, n, n_step, n_ok, up_offset, alpha, limit,
+                 dt: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SWAP: tl.constexpr):
+    """The gate/up GEMM's epilogue: both accumulators rounded, their biases added, the
+    activation."""
+    gate = round_to(acc_g, dt)
+    up = round_to(acc_u, dt)
+    if HAS_BIAS:
+        bg = b_ptr + e * stride_be + n * n_step
+        gate = round_to(gate + _along_n(tl.load(bg, mask=n_ok, other=0.0).to(tl.float32), SWAP),
+                        dt)
+        up = round_to(up + _along_n(tl.load(bg + up_offset, mask=n_ok, other=0.0)
+                                    .to(tl.float32), SWAP), dt)
+    return _activation(gate, up, alpha, limit, dt, SWIGLU)
+
+
+@triton.jit
+def _down_out(acc, b_ptr, rw_ptr, e, stride_be, n, n_ok, pair, valid, dt: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
+    """The down GEMM's epilogue: rounded, its bias added, times each row's routing weight."""
+    y = round_to(acc, dt)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = round_to(y + _along_n(bias, SWAP), dt)
+    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
+    return round_to(y * _along_m(rw, SWAP), dt)
+
+
 @triton.jit(do_not_specialize=["num_m", "num_pairs"])
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_m,
                     num_pairs, N, K, top_k, stride_xm, stride_we, stride_wn, stride_wk, up_offset,
@@ -89,14 +139,8 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, block_expert_ptr, 
         g_ptrs += BK * stride_wk
         u_ptrs += BK * stride_wk
     dt = out_ptr.dtype.element_ty
-    gate = round_to(acc_g, dt)
-    up = round_to(acc_u, dt)
-    if HAS_BIAS:
-        bg = b_ptr + e * stride_be + n * n_step
-        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[None, :], dt)
-        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[None, :],
-                      dt)
-    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
+    h = _gate_up_out(acc_g, acc_u, b_ptr, e, stride_be, n, n_step, n_ok, up_offset, alpha, limit,
+                     dt, SWIGLU, HAS_BIAS, False)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out, h.to(dt), mask=valid[:, None] & n_ok[None, :])
 
@@ -138,14 +182,8 @@ def _gate_up_swapped_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, sorted_ptr, bl
         g_ptrs += BK * stride_wk
         u_ptrs += BK * stride_wk
     dt = out_ptr.dtype.element_ty
-    gate = round_to(acc_g, dt)
-    up = round_to(acc_u, dt)
-    if HAS_BIAS:
-        bg = b_ptr + e * stride_be + n * n_step
-        gate = round_to(gate + tl.load(bg, mask=n_ok, other=0.0).to(tl.float32)[:, None], dt)
-        up = round_to(up + tl.load(bg + up_offset, mask=n_ok, other=0.0).to(tl.float32)[:, None],
-                      dt)
-    h = _activation(gate, up, alpha, limit, dt, SWIGLU)
+    h = _gate_up_out(acc_g, acc_u, b_ptr, e, stride_be, n, n_step, n_ok, up_offset, alpha, limit,
+                     dt, SWIGLU, HAS_BIAS, True)
     out = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None]
     tl.store(out, h.to(dt), mask=n_ok[:, None] & valid[None, :])
 
@@ -172,12 +210,7 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, sorted_ptr, block_expert_
         a_ptrs += BK
         w_ptrs += BK * stride_wk
     dt = out_ptr.dtype.element_ty
-    y = round_to(acc, dt)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-        y = round_to(y + bias[None, :], dt)
-    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    y = round_to(y * rw[:, None], dt)
+    y = _down_out(acc, b_ptr, rw_ptr, e, stride_be, n, n_ok, pair, valid, dt, HAS_BIAS, False)
     out = out_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out, y.to(dt), mask=valid[:, None] & n_ok[None, :])
 
@@ -210,11 +243,6 @@ def _down_swapped_kernel(h_ptr, w_ptr, w_desc, b_ptr, rw_ptr, out_ptr, sorted_pt
         h_ptrs += BK
         w_ptrs += BK * stride_wk
     dt = out_ptr.dtype.element_ty
-    y = round_to(acc, dt)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-        y = round_to(y + bias[:, None], dt)
-    rw = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    y = round_to(y * rw[None, :], dt)
+    y = _down_out(acc, b_ptr, rw_ptr, e, stride_be, n, n_ok, pair, valid, dt, HAS_BIAS, True)
     out = out_ptr + tl.where(valid, pair, 0)[None, :].to(tl.int64) * stride_om + n[:, None]
     tl.store(out, y.to(dt), mask=n_ok[:, None] & valid[None, :])
