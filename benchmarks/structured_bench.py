@@ -103,8 +103,9 @@ class PhaseTrace:
     the sampled ids (``at_ids``), had accepted them (``at_accept``), filled the masks
     (``at_fill``) and ended (``at_ahead``); when the stepping thread began to wait for the
     accept (``at_wait_accepted``), entered and left ``step_mask`` (``at_step_mask``,
-    ``at_step_mask_end``) and ``Sampler.sample`` (``at_sample``, ``at_sample_end``: its
-    kernels launched)."""
+    ``at_step_mask_end``), had the ahead fill's masks in hand (``at_hand_over``: its
+    wait for the fill's thread over) and entered and left ``Sampler.sample`` (``at_sample``,
+    ``at_sample_end``: its kernels launched)."""
 
     PHASES = {"_advance": "ahead", "_accept_par": "accept", "_fill": "fill",
               "step_mask": "step_mask", "wait_accepted": "wait_accepted",
@@ -127,7 +128,7 @@ class PhaseTrace:
             ahead = threading.current_thread().name.startswith("grammar-ahead")
             if ahead and phase == "ahead":
                 self._at("start", t0)
-            elif not ahead and phase in ("step_mask", "wait_accepted", "sample"):
+            elif not ahead and phase in ("step_mask", "wait_accepted", "sample", "hand_over"):
                 self._at(phase, t0)
             try:
                 return fn(*args, **kwargs)
@@ -148,12 +149,14 @@ class PhaseTrace:
 
     def __enter__(self) -> "PhaseTrace":
         from actors.engine.structured import StructuredOutputs
+        from actors.engine.structured_masks import MaskBuffers
         from sampler import Sampler
         from sampler.sampler_output import AsyncOutput
 
         self._saved = []
         for owner, name, phase in [(StructuredOutputs, n, p) for n, p in self.PHASES.items()] + [
-                (AsyncOutput, "get", "ids_wait"), (Sampler, "sample", "sample")]:
+                (AsyncOutput, "get", "ids_wait"), (Sampler, "sample", "sample"),
+                (MaskBuffers, "hand_over", "hand_over")]:
             fn, timed = self._wrap(owner, name, phase)
             self._saved.append((owner, name, fn))
             setattr(owner, name, timed)
