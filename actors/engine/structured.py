@@ -32,7 +32,7 @@ from actors.engine.cpu_threads import usable_cpus
 from actors.engine.sequence import PENDING, Sequence
 from actors.engine.structured_compile import ConstraintCompiler
 from actors.engine.structured_masks import MaskBuffers
-from actors.engine.structured_plan import AheadPlan, continues, sorted_rows, template_order
+from actors.engine.structured_plan import AheadPlan, continues, mask_slots, template_order
 from actors.engine.structured_sequence import CompiledConstraint, SequenceGrammar
 from sampler.grammar_mask import StepBitmask
 from sampler.structured_params import StructuredOutputsParams
@@ -75,6 +75,8 @@ class StructuredOutputs:
         self._running: _Running | None = None  # the ahead fill running (see advance)
         self._done: AheadPlan | None = None  # its plan (masks), for the next step_mask
         self._last: AheadPlan | None = None  # the latest plan (the next may repeat it)
+        self._index: tuple | None = None  # (step rows, rows, their device index): see
+        # _in_step_order
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -135,7 +137,7 @@ class StructuredOutputs:
             # the last fill's rows again, each one token on: its order and lists again
             picked, rows, matchers, targets = last.grammars, last.rows, last.matchers, \
                 last.targets
-            step_rows, source = last.step_rows, last.source
+            step_rows, slots = last.step_rows, None
         else:
             grammars = list(map(_GRAMMAR, seqs))
             # the rows whose matcher is at the token they sampled
@@ -153,19 +155,23 @@ class StructuredOutputs:
                 chosen = [chosen[j] for j in order]
             rows = np.asarray(chosen, dtype=np.int64)
             matchers = list(map(_MATCHER, picked))
-            targets = list(zip(matchers, range(len(picked))))
-            step_rows, source = sorted_rows(rows)
+            step_rows, slots = mask_slots(rows)
+            targets = list(zip(matchers, slots))
             if len(picked) + grammars.count(None) < len(seqs):
                 step_rows = None  # not every constrained row: the next step_mask sorts them
         self._fills += 1
         turn = self._fills
-        for j, grammar in enumerate(picked):
-            grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
-                turn, j, grammar.num_accepted + 1
+        if slots is None:  # the same rows as the last fill
+            for grammar in picked:
+                grammar.mask_turn, grammar.mask_at = turn, grammar.num_accepted + 1
+        else:
+            for grammar, slot in zip(picked, slots):
+                grammar.mask_turn, grammar.mask_row, grammar.mask_at = \
+                    turn, slot, grammar.num_accepted + 1
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
         plan = self._last = AheadPlan(picked, rows, turn, self.buffers.take(), matchers,
-                                       targets, threading.Event(), seqs, pos, step_rows, source)
+                                       targets, threading.Event(), seqs, pos, step_rows)
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
                                  plan)
 
@@ -258,8 +264,7 @@ class StructuredOutputs:
         if repeat:
             self.rows_ahead += len(done.grammars)
             bits = self.buffers.hand_over(done.masks, len(done.grammars))
-            return StepBitmask.build(bits, done.step_rows, len(seqs), self.device,
-                                     source=done.source)
+            return self._in_step_order(bits, done.step_rows, len(seqs))
         if not rows:
             return None
         if done is None:  # every row is filled here, in order
@@ -279,6 +284,18 @@ class StructuredOutputs:
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),
                                  self.device, source=source)
+
+    def _in_step_order(self, bits: torch.Tensor, step_rows: np.ndarray,
+                       num_rows: int) -> StepBitmask:
+        """A fill's masks, which lie in the order of its step rows ``step_rows``; the rows'
+        device index of the last such step when its rows are these very ones (steps that
+        sample the fill's rows again, one token on, upload none)."""
+        index = self._index
+        if index is not None and index[0] is step_rows and index[1] == num_rows:
+            return StepBitmask(bits, index[2], index[3])
+        mask = StepBitmask.build(bits, step_rows, num_rows, self.device)
+        self._index = (step_rows, num_rows, mask.rows, mask.row_map)
+        return mask
 
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:

@@ -21,11 +21,12 @@ _GROUP = attrgetter("group")
 
 @dataclass(slots=True)
 class AheadPlan:
-    """An ahead fill to run: ``grammars`` in template order (the rows of the masks), the
-    step's row of each (``rows``), the fill's number and its buffers, and the lists its
-    llguidance calls take (built before the sampled ids are known): the matchers, and each
-    with its row of the masks; and what tells whether the next step samples the same rows
-    (:func:`continues`)."""
+    """An ahead fill to run: ``grammars`` in template order (the order of its llguidance
+    calls), the step's row of each (``rows``), the fill's number and its buffers, and the
+    lists its llguidance calls take (built before the sampled ids are known): the matchers,
+    and each with its row of the masks (the rank of its step row, :func:`mask_slots`, so
+    that the masks lie in step order); and what tells whether the next step samples the same
+    rows (:func:`continues`)."""
 
     grammars: list
     rows: np.ndarray
@@ -36,10 +37,9 @@ class AheadPlan:
     accepted: threading.Event  # set once the sampled ids are accepted (or the fill failed)
     seqs: list  # the step's sampling sequences (the scheduler's list)
     pos: np.ndarray  # the position of each one's sampled token
-    # the step rows of the masks ascending, and the mask of each (None: in order); None
-    # when some constrained row of the step is not in the fill
+    # the step rows of the masks ascending (mask j is row step_rows[j]); None when some
+    # constrained row of the step is not in the fill
     step_rows: np.ndarray | None
-    source: np.ndarray | None
     ok: bool = False  # every row took its token (set before ``accepted``)
 
 
@@ -52,12 +52,16 @@ def continues(plan: AheadPlan, seqs: list[Sequence]) -> bool:
     return plan.step_rows is not None and plan.ok and seqs == plan.seqs
 
 
-def sorted_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """``rows`` ascending, and the position in ``rows`` of each (None when in order)."""
+def mask_slots(rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """``rows`` (distinct) ascending, and the rank of each among them: the mask row of each,
+    so that the masks lie in the order of their step rows and the sampler takes them as they
+    are (no gather)."""
     if rows.size < 2 or bool((rows[1:] > rows[:-1]).all()):
-        return rows, None
-    source = np.argsort(rows, kind="stable")
-    return rows[source], source
+        return rows, list(range(rows.size))
+    order = np.argsort(rows, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return rows[order], rank.tolist()
 
 
 def template_order(grammars: list[SequenceGrammar]) -> list[int] | None:

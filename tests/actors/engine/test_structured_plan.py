@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from actors.engine.structured_plan import AheadPlan, continues, sorted_rows, template_order
+from actors.engine.structured_plan import AheadPlan, continues, mask_slots, template_order
 
 
 def test_template_order_is_stable_and_none_when_in_order():
@@ -18,17 +18,18 @@ def test_template_order_is_stable_and_none_when_in_order():
     assert template_order([]) is None
 
 
-def test_sorted_rows_give_the_mask_of_each_row():
-    rows = np.array([5, 1, 7, 2])  # mask j holds step row rows[j]
-    ascending, source = sorted_rows(rows)
-    assert ascending.tolist() == [1, 2, 5, 7] and rows[source].tolist() == [1, 2, 5, 7]
-    ascending, source = sorted_rows(np.array([0, 3, 4]))
-    assert ascending.tolist() == [0, 3, 4] and source is None
+def test_mask_slots_put_each_rows_mask_in_step_order():
+    rows = np.array([5, 1, 7, 2])  # the fill's j-th matcher is step row rows[j]
+    ascending, slots = mask_slots(rows)
+    assert ascending.tolist() == [1, 2, 5, 7] and slots == [2, 0, 3, 1]
+    assert [int(ascending[s]) for s in slots] == rows.tolist()  # mask slots[j] is row rows[j]
+    ascending, slots = mask_slots(np.array([0, 3, 4]))
+    assert ascending.tolist() == [0, 3, 4] and slots == [0, 1, 2]
 
 
 def _plan(seqs, step_rows=np.array([0, 1]), ok=True) -> AheadPlan:
     return AheadPlan([], np.array([0, 1]), 1, None, [], [], threading.Event(), seqs,
-                     np.array([3, 4]), step_rows, None, ok)
+                     np.array([3, 4]), step_rows, ok)
 
 
 def test_a_step_continues_the_plan_only_with_its_very_rows_all_taken_and_accepted():
