@@ -362,14 +362,22 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rows of one constraint per matcher template (default: the engine's)")
     p.add_argument("--max-templates", type=int, default=0,
                    help="the most matcher templates of one constraint (default: the engine's)")
+    p.add_argument("--host-wait", action="store_true",
+                   help="the host waits for an ahead fill before queueing its masks' upload "
+                        "(structured_masks.DEVICE_WAIT off: the device does not wait for it)")
     p.add_argument("--fill-threads", type=int, default=0,
                    help="threads of the parallel accept and mask fill (default: the engine's)")
     args = p.parse_args(argv)
+    if args.host_wait:
+        from actors.engine import structured_masks
+
+        structured_masks.DEVICE_WAIT = False
     spec, n, prompt, out, args.rows = WORKLOADS[args.workload]
     args.compile_samples = min(args.compile_samples, n)
     result = {"workload": args.workload, "num_prompts": n, "prompt_len": prompt,
               "output_len": out,
-              "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+              "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+              "host_wait": args.host_wait}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         path = Path(tmp) / "model"
         model = build_model(spec, path)

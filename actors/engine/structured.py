@@ -9,12 +9,13 @@ device work. Each sequence (each of n samples) gets its own matcher
 output tokens in order and only once (``num_accepted``), so preemption and recompute never
 lose or double a token. After a step's sampler launch, ``advance`` starts the ahead fill on a
 thread of its own: once the step's sampled ids are on the host it advances the matchers (one
-parallel llguidance call), fills the masks that follow (one parallel call) into a pinned host
-buffer and uploads them to a device buffer (on a copy stream beside the queued forward), while
-the stepping thread goes on (it launches the next forward, then processes the step's outputs
-once the ids are accepted, :meth:`wait_accepted`); the next ``step_mask`` takes the masks and
-fills and uploads the rows the ahead fill did not cover. Library choice and measurements:
-docs/structured_outputs.md.
+parallel llguidance call) and fills the masks that follow (one parallel call) into a pinned host
+buffer, while the stepping thread goes on (it launches the next forward, then processes the
+step's outputs once the ids are accepted, :meth:`wait_accepted`); the next ``step_mask`` takes
+the masks, fills the rows the ahead fill did not cover, and queues the upload to the device:
+on CUDA, when every row comes from the ahead fill, before the fill ends (the copy waits on the
+device for it, :class:`~actors.engine.structured_masks.MaskBuffers`), so the sampler is
+launched while the masks fill. Library choice and measurements: docs/structured_outputs.md.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class StructuredOutputs:
         self.buffers = MaskBuffers(self.device, max_num_seqs, self.words)
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._running: _Running | None = None  # the ahead fill running (see advance)
+        # an ahead fill whose masks a step took while they filled (the upload waits on the
+        # device): joined before that step's outputs are read (wait_accepted) or at a settle
+        self._behind: _Running | None = None
         self._done: AheadPlan | None = None  # its plan (masks), for the next step_mask
         self._last: AheadPlan | None = None  # the latest plan (the next may repeat it)
         self._index: tuple | None = None  # (step rows, rows, their device index): see
@@ -128,8 +132,9 @@ class StructuredOutputs:
         llguidance calls; when the step samples the last fill's rows again, one token on
         (:func:`continues`), that fill's order and lists are taken as they are. The ahead
         fill notes where the grammars ended right after its accept (:meth:`wait_accepted`
-        returns then), and uploads its masks itself."""
-        self.settle()
+        returns then); the masks are uploaded by the step that takes them (:meth:`step_mask`),
+        which may queue the upload before they are written."""
+        self.settle(behind=False)  # a fill behind may still be writing: the pool runs in turn
         self.buffers.mark_read()  # the sampler that reads the last step_mask's masks is queued
         pos = np.asarray(pending_pos, dtype=np.int64)
         last = self._last
@@ -175,10 +180,13 @@ class StructuredOutputs:
         self._running = _Running(self._ahead_pool.submit(self._advance, plan, output), output,
                                  plan)
 
-    def settle(self, output: Any = None) -> None:
+    def settle(self, output: Any = None, behind: bool = True) -> None:
         """Waits for the ahead fill, if one runs (its masks wait for the next step); with
         ``output``, only for the fill of that step (whose outputs are to be processed: a
-        step that sampled no row did not wait for it)."""
+        step that sampled no row did not wait for it). ``behind``: also for a fill whose
+        masks a step took while they filled (raising its error)."""
+        if behind:
+            self._join_behind()
         running = self._running
         if running is None or (output is not None and output is not running.output):
             return
@@ -197,28 +205,39 @@ class StructuredOutputs:
         still be filling. From then until :meth:`settle`, the stepping thread may read what
         the output processor reads (:meth:`SequenceGrammar.error_by`, ``ended_by``), and
         call the matchers of rows outside the fill, but no matcher of its rows."""
+        # the fill that wrote the masks of the step of ``output`` (its sampler waited for
+        # it on the device): a fill that failed fails the step before its outputs are read
+        self._join_behind()
         if self.filling_after(output):
             # set even when the fill fails (its error comes from settle)
             self._running.plan.accepted.wait()
 
+    def _join_behind(self) -> None:
+        behind = self._behind
+        if behind is not None:
+            self._behind = None
+            behind.future.result()  # its error, if it failed
+
     def _advance(self, plan: "AheadPlan", output: Any) -> None:
         try:
-            tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
-            grammars, targets = plan.grammars, plan.targets
-            plan.ok = self._accept_par(grammars, tokens, matchers=plan.matchers)
-            if not plan.ok:
-                for grammar in grammars:  # some row refused its token
-                    if grammar.error is not None:
-                        grammar.mask_turn = -1  # it takes no mask
-                grammars = [grammar for grammar in grammars if grammar.error is None]
-                targets = [(grammar.matcher, grammar.mask_row) for grammar in grammars]
+            try:
+                tokens = np.asarray(output.get().token_ids)[plan.rows].tolist()
+                grammars, targets = plan.grammars, plan.targets
+                plan.ok = self._accept_par(grammars, tokens, matchers=plan.matchers)
+                if not plan.ok:
+                    for grammar in grammars:  # some row refused its token
+                        if grammar.error is not None:
+                            grammar.mask_turn = -1  # it takes no mask
+                    grammars = [grammar for grammar in grammars if grammar.error is None]
+                    targets = [(grammar.matcher, grammar.mask_row) for grammar in grammars]
+            finally:
+                plan.accepted.set()  # the step's outputs may be processed during the fill
+            if grammars:
+                self._fill(targets, plan.masks.host)
         finally:
-            plan.accepted.set()  # the step's outputs may be processed during the fill
-        masks = plan.masks
-        if grammars:
-            self._fill(targets, masks.host)
-            if masks.dev is not None:
-                self.buffers.upload(masks, 0, len(plan.grammars))
+            # an upload queued to wait for these masks starts (also after an error: the
+            # device never waits for a fill that ended; the error fails the step)
+            self.buffers.filled(plan.turn)
 
     def step_mask(self, seqs: list[Sequence], prev_tokens) -> StepBitmask | None:
         """The masks of a step's constrained rows (row ``r`` samples ``seqs[r]``), on the
@@ -258,11 +277,21 @@ class StructuredOutputs:
                 else:
                     source.append(base + len(here))
                     here.append(seq)
-        self.settle()  # the masks filled ahead are uploading
+        # masks that fill ahead and need no row filled here: their upload is queued now and
+        # waits on the device for the fill's end (MaskBuffers.upload); else the host waits
+        wait_fill = None
+        if running is not None and not here and self.buffers.device_wait:
+            self._join_behind()  # (joined already when this step's outputs were read)
+            self._running, self._behind = None, running
+            wait_fill = done.turn
+        else:
+            self.settle()
         self._done = None
         self.buffers.mark_read()
         if repeat:
             self.rows_ahead += len(done.grammars)
+            if done.masks.dev is not None:
+                self.buffers.upload(done.masks, 0, len(done.grammars), wait_fill)
             bits = self.buffers.hand_over(done.masks, len(done.grammars))
             return self._in_step_order(bits, done.step_rows, len(seqs))
         if not rows:
@@ -277,8 +306,8 @@ class StructuredOutputs:
         total = base + len(here)
         if here:
             self._fill_here(here, prev_tokens, masks.host, base)
-            if masks.dev is not None:
-                self.buffers.upload(masks, base, total)
+        if masks.dev is not None:  # the rows filled ahead and here, in one copy
+            self.buffers.upload(masks, 0, total, wait_fill)
         bits = self.buffers.hand_over(masks, total)
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather

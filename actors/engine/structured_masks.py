@@ -2,17 +2,29 @@
 
 On CUDA two pairs (pinned host, device) are taken in turn: a host buffer is reused once its
 previous upload has finished, a device buffer once the sampler that read it has (uploads run
-on a copy stream of their own, from any thread, and wait for that sampler). On the CPU one
-host buffer. A step may need a row for each of the previous step's rows (filled ahead) and
-each of its new ones, so a buffer has twice the rows of a step.
+on a copy stream of their own and wait for that sampler). On the CPU one host buffer. A step
+may need a row for each of the previous step's rows (filled ahead) and each of its new ones,
+so a buffer has twice the rows of a step.
+
+An upload may be queued before its host rows are filled: the copy stream then first waits,
+on the device, until a pinned counter reaches the fill's number (the driver's
+``cuStreamWaitValue32``), which the filling thread sets once its rows are written
+(:meth:`MaskBuffers.filled`). So the sampler that reads the masks is launched while they
+fill, and starts on the device as soon as they are written, with no host thread woken in
+between.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+# queues the masks' uploads before their fill ends (see the module's docstring); False: the
+# host waits for the fill, then queues the upload
+DEVICE_WAIT = True
 
 
 @dataclass(slots=True)
@@ -36,6 +48,20 @@ class MaskBuffers:
         self._copy_stream: Any = None
         self._reading: Masks | None = None  # the device masks a queued sampler is to read
         self._turn = 0
+        self._filled: torch.Tensor | None = None  # pinned: the number of the latest fill done
+        self._wait_value: Callable | None = None  # cuStreamWaitValue32, where it exists
+
+    @property
+    def device_wait(self) -> bool:
+        """Whether an upload may be queued before its fill ends (CUDA, the driver's stream
+        wait, and ``DEVICE_WAIT``)."""
+        return DEVICE_WAIT and self._wait_value is not None
+
+    def filled(self, fill: int) -> None:
+        """Marks fill number ``fill`` written (any thread; numbers only grow): an upload
+        queued to wait for it may start."""
+        if self._filled is not None:
+            self._filled[0] = fill
 
     def take(self) -> Masks:
         """The next buffers in turn, once their host buffer's last upload has finished (made
@@ -44,6 +70,8 @@ class MaskBuffers:
             cuda = self.device.type == "cuda"
             if cuda:
                 self._copy_stream = torch.cuda.Stream(self.device)
+                self._filled = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                self._wait_value = _driver_wait_value()
             for _ in range(2 if cuda else 1):
                 host = torch.zeros(self.shape, dtype=torch.int32, pin_memory=cuda)
                 dev = (torch.zeros(self.shape, dtype=torch.int32, device=self.device)
@@ -56,12 +84,20 @@ class MaskBuffers:
             masks.copied.synchronize()
         return masks
 
-    def upload(self, masks: Masks, lo: int, hi: int) -> None:
+    def upload(self, masks: Masks, lo: int, hi: int, fill: int | None = None) -> None:
         """Rows ``lo``-``hi`` of the pinned buffer copied to the device buffer on the copy
-        stream (from any thread), after the sampler that last read the device buffer; the
-        ``copied`` event marks the end of the latest copy."""
+        stream, after the sampler that last read the device buffer, and with ``fill``
+        (:attr:`device_wait` only) once fill number ``fill`` is written (:meth:`filled`);
+        the ``copied`` event marks the end of the latest copy."""
         stream = self._copy_stream
         with torch.cuda.stream(stream):
+            if fill is not None:
+                # the device waits until the pinned counter reaches the fill (a cyclic >=)
+                status = self._wait_value(ctypes.c_void_p(stream.cuda_stream),
+                                          ctypes.c_uint64(self._filled.data_ptr()),
+                                          ctypes.c_uint32(fill & 0xFFFFFFFF), 0)
+                if status != 0:
+                    raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {status}")
             stream.wait_event(masks.used)
             masks.dev[lo:hi].copy_(masks.host[lo:hi], non_blocking=True)
             masks.copied.record(stream)
@@ -82,3 +118,21 @@ class MaskBuffers:
         if self._reading is not None:
             self._reading.used.record(torch.cuda.current_stream(self.device))
             self._reading = None
+
+
+def _driver_wait_value() -> Callable | None:
+    """The CUDA driver's ``cuStreamWaitValue32`` (stream, address, value, flags; flags 0: wait
+    until ``*address >= value``, cyclically), or None where it cannot be found. Pinned host
+    memory is mapped at its own address under unified addressing, so the counter's pointer
+    is the device address."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None

@@ -106,3 +106,29 @@ def test_outputs_read_while_the_masks_fill_equal_the_launch_first_order(gpu_mode
         assert engine.sampler.state.active.sum() == 0  # every slot freed
         del engine
     assert results[True] == results[False]
+
+
+def test_an_upload_queued_before_its_fill_starts_once_the_fill_is_marked():
+    """The masks' upload a step queues while they still fill waits on the device for the
+    fill's number (``MaskBuffers.filled``), and copies what the host wrote up to then."""
+    import time
+
+    from actors.engine.structured_masks import MaskBuffers
+
+    buffers = MaskBuffers(torch.device("cuda"), 4, 3)
+    masks = buffers.take()
+    assert buffers.device_wait
+    masks.host.fill_(1)
+    try:
+        buffers.upload(masks, 0, 2, fill=5)
+        total = buffers.hand_over(masks, 2).sum()  # queued on the current stream after it
+        buffers.filled(4)  # an earlier fill: still waiting
+        time.sleep(0.05)
+        assert not masks.copied.query()
+        masks.host[:2] = 9  # written before the mark: the copy takes it
+        buffers.filled(5)
+        masks.copied.synchronize()
+        assert total.item() == 9 * 2 * 3
+    finally:
+        buffers.filled(1 << 30)  # never leave the device waiting
+        torch.cuda.synchronize()

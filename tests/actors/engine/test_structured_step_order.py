@@ -168,10 +168,10 @@ def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
             if state["waiting"]:
                 steps.append((state["read"], state["late"]))
 
-    def spy_settle(output=None):
+    def spy_settle(output=None, behind=True):
         if state["inside"] and state["filling"]:
             state["waiting"] = True
-        return settle(output)
+        return settle(output, behind)
 
     structured.step_mask, structured.settle = spy_step_mask, spy_settle
     try:
