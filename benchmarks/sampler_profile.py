@@ -4,7 +4,9 @@ Each argument is ``CASE:BATCH[:BACKEND[:p]]``: a workload of ``CASES`` (the `ful
 ``sampler_bench.py`` and variants of it with parts left out, plus single features), the batch
 size, the sampler_bench backend name (default ``triton``; ``triton@...`` variants too), and
 ``p`` to add a ``torch.profiler`` table of the step's kernels (device microseconds per step,
-mean over 5 steps). Vocab 151,936, bf16 logits ``randn * 3``. Records go to ``$OUT/prof.json``
+mean over 5 steps). A case named ``CASE+dense`` or ``CASE+sparse`` also gives every row a
+grammar mask (structured outputs): 90% of the tokens allowed (a JSON string's body), or 16
+tokens a row (between a schema's fields). Vocab 151,936, bf16 logits ``randn * 3``. Records go to ``$OUT/prof.json``
 (or ``/tmp``):
 
     python benchmarks/sampler_profile.py full:256:triton:p full_nopen:256 gsl:256:triton:p
@@ -19,11 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sampler_bench import _gpu_time_ms, _triton_variant, _workload  # noqa: E402
 from sampler import AsyncOutput, Sampler, SamplingParams, derive_seed  # noqa: E402
+from sampler.grammar_mask import StepBitmask  # noqa: E402
 
 V = 151936
 # sampler_bench's `full` workload: its params (the fields it sets) and its bad words
@@ -57,10 +61,30 @@ CASES: dict[str, tuple[dict, bool, bool]] = {
 }
 
 
+def grammar_masks(kind: str, batch: int, dev: torch.device) -> StepBitmask:
+    """Every row's packed mask: ``dense`` 90% of the tokens allowed, ``sparse`` 16 a row."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "dense":
+        allowed = torch.rand(batch, V, generator=g) < 0.9
+    elif kind == "sparse":
+        allowed = torch.zeros(batch, V, dtype=torch.bool)
+        allowed.scatter_(1, torch.randint(0, V, (batch, 16), generator=g), True)
+    else:
+        raise ValueError(f"mask kind {kind!r}: dense or sparse")
+    words = (V + 31) // 32
+    padded = torch.zeros(batch, words * 32, dtype=torch.int64)
+    padded[:, :V] = allowed
+    bits = (padded.view(batch, words, 32) << torch.arange(32)).sum(-1)
+    bits = torch.from_numpy(bits.numpy().astype(np.uint32).view(np.int32)).to(dev)
+    return StepBitmask.build(bits, np.arange(batch), batch, dev)
+
+
 def run(case: str, batch: int, variant: str, prof: bool) -> dict:
     _triton_variant(variant)
+    case, _, kind = case.partition("+")
     params, bad, prompt = CASES[case]
     dev = torch.device("cuda")
+    mask = grammar_masks(kind, batch, dev) if kind else None
     sampler = Sampler(batch, V, device=dev, eos_token_ids=[0], max_logprobs=20,
                       backend="triton")
     rng = random.Random(batch)
@@ -73,22 +97,25 @@ def run(case: str, batch: int, variant: str, prof: bool) -> dict:
     slots = torch.arange(batch)
     g = torch.Generator().manual_seed(0)
     src = (torch.randn(batch, V, generator=g) * 3).to(dev, torch.bfloat16)
+
+    def step():  # (a masked step writes -inf over src's masked tokens: the same each time)
+        return sampler.sample(src, slots, token_bitmask=mask)
+
     for _ in range(3):
-        AsyncOutput(sampler.sample(src, slots)).get()
+        AsyncOutput(step()).get()
     t0 = time.perf_counter()
     for _ in range(5):
-        AsyncOutput(sampler.sample(src, slots)).get()
+        AsyncOutput(step()).get()
     host = (time.perf_counter() - t0) / 5 * 1e3
-    gpu = statistics.median(_gpu_time_ms(lambda: sampler.sample(src, slots), 10, dev,
-                                         ahead_ms=max(1.0, 3 * host)))
-    rec = {"case": case, "batch": batch, "variant": variant, "gpu_us": gpu * 1e3,
-           "host_ms": host}
+    gpu = statistics.median(_gpu_time_ms(step, 10, dev, ahead_ms=max(1.0, 3 * host)))
+    rec = {"case": case + ("+" + kind if kind else ""), "batch": batch, "variant": variant,
+           "gpu_us": gpu * 1e3, "host_ms": host}
     if prof:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as p:
             for _ in range(5):
-                sampler.sample(src, slots)
+                step()
             torch.cuda.synchronize()
         kernels = {}
         for e in p.key_averages():
