@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from sampler.kernels.noise import _gumbel, _gumbel_bits, _gumbel_of_bits, _gumbel_upper
-from sampler.kernels.reductions import _exp
+from sampler.kernels.reductions import _div_t, _exp
 from sampler.kernels.tiles import _first_tiles, _next_tile, _tile_of
 
 
@@ -79,7 +79,7 @@ def _draw_tile_lazy(x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_s
     d = tl.abs(xs) * 1e-5 + 1e-30
     sup = (x > NEG) & (xs + d >= thr) & (xs + d > floor)
     if _token_bound(xs, sup, bits) >= best:
-        s = tl.math.div_rn(x, T)
+        s = _div_t(x, T)
         kept = (s >= thr) & (s > NEG) & (s > floor)
         acc_sv, acc_si, acc_ss = _draw_update(tl.where(kept, s, NEG), kept, bits, offs,
                                               acc_sv, acc_si, acc_ss)
@@ -139,7 +139,7 @@ def _scan(
             acc_sv, acc_si, acc_ss, best = _draw_tile_lazy(
                 x, T, inv_t, thr, floor, offs, k0, k1, acc_sv, acc_si, acc_ss, best)
         else:
-            s = tl.math.div_rn(x, T)
+            s = _div_t(x, T)
             valid = (s >= thr) & (s > NEG)
             if DRAW:
                 kept = valid & (s > floor)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sampler.kernels.reductions import _exp, _kth_largest, _mode_value
+from sampler.kernels.reductions import _div_t, _exp, _kth_largest, _mode_value
 from sampler.kernels.select import (_append, _bin_of, _choose_bin, _count_bins, _key_value,
                                     _mass_bins, _next_up, _next_width, _order_key, _read_cands,
                                     _top_p_within)
@@ -53,7 +53,7 @@ def _selection_pass(
             NSTOP, min_tok_active, ban_ptr, NBAN, allowed_ptr, row_allowed, gbits_ptr, mrow, GW,
             R, VEC, HAS_PEN, HAS_BIAS, HAS_STOP, HAS_BAN, HAS_ALLOWED, HAS_GRAMMAR)
         if p_phase < 4:
-            s = tl.math.div_rn(x, T)
+            s = _div_t(x, T)
             valid = (s >= p_floor) & (s > NEG)
             d = m_s - s
             if (p_phase == 0) | (p_phase == 2):

@@ -51,6 +51,10 @@ def supports(plan: StepPlan, precision: str) -> bool:
 
 
 _fallback_logged = False
+# a step with grammar masks and no logprobs first writes -inf over its masked tokens (one
+# pass over the constrained rows), then runs as a step without masks; False: its kernels
+# read the masks in every pass (HAS_GRAMMAR)
+PRE_MASK = True
 
 
 def run_pipeline_triton(
@@ -104,7 +108,7 @@ def run_pipeline_triton(
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if plan.do_grammar and inplace and not plan.any_logprobs:
+    if plan.do_grammar and inplace and not plan.any_logprobs and PRE_MASK:
         mask = state.token_bitmask
         apply_token_bitmask_triton(logits, mask.bits, mask.rows)
         plan = replace(plan, do_grammar=False)

@@ -17,6 +17,15 @@ def _exp(x):
 
 
 @triton.jit
+def _div_t(x, T):
+    """``x / T`` correctly rounded (``div_rn``), with -inf passed through rather than
+    divided: on the GPU an infinite dividend sends ``div_rn`` down its slow path, and
+    masked or banned tokens (-inf) in most warps of a row would take it on every pass."""
+    fin = x > float("-inf")
+    return tl.where(fin, tl.math.div_rn(tl.where(fin, x, 0.0), T), x)
+
+
+@triton.jit
 def _online_lse(v, m, acc):
     """One tile into per-lane online log-sum-exp accumulators (m, acc) of shape [R]."""
     nm = tl.maximum(m, tl.max(v, 1))

@@ -8,7 +8,8 @@ one word load a lane instead of one a token (:func:`_lane_bits`, also the penalt
 tokens). :func:`apply_token_bitmask_triton` is the standalone op with the
 signature of :func:`sampler.ops.token_bitmask.apply_token_bitmask`, its torch oracle: it
 writes -inf over the masked tokens of the logits (the launcher's pass for a step whose kernels
-then read no mask).
+then read no mask). It reads and writes whole tiles: a store of only the masked tokens follows
+the mask token by token and cannot be vectorized, which made it slower than the whole copy.
 """
 
 from __future__ import annotations
@@ -72,20 +73,22 @@ def _mask_row(grow_ptr, row, HAS_GRAMMAR: tl.constexpr):
 @triton.jit
 def _apply_token_bitmask_kernel(logits_ptr, stride_row, V, bits_ptr, W, rows_ptr,
                                 BLOCK: tl.constexpr):
-    """Writes -inf where mask ``j`` clears a token of its logits row; reads no logit."""
+    """Sets to -inf every token mask ``j`` clears in its logits row (whole tiles read and
+    written back)."""
     j = tl.program_id(0)  # mask index
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     vmask = offs < V
     row = tl.load(rows_ptr + j)
-    cleared = vmask & ~_allowed(bits_ptr, j, W, offs, vmask)
-    tl.store(logits_ptr + row * stride_row + offs, float("-inf"), mask=cleared)
+    ptrs = logits_ptr + row * stride_row + offs
+    x = tl.load(ptrs, mask=vmask)
+    y = tl.where(_allowed(bits_ptr, j, W, offs, vmask), x.to(tl.float32), float("-inf"))
+    tl.store(ptrs, y.to(x.dtype), mask=vmask)  # (exact: a float32 round trip)
 
 
 def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor,
                                mask_rows: torch.Tensor, block: int = 1024) -> None:
     """Masks every token a constrained row's grammar does not allow (in place); the same
-    contract as :func:`sampler.ops.token_bitmask.apply_token_bitmask`. Only the masked
-    tokens are written (-inf); no logit is read.
+    contract as :func:`sampler.ops.token_bitmask.apply_token_bitmask`.
 
     Args:
         logits: ``[rows, vocab]`` float32, bf16 or fp16, vocab stride 1, modified in place.
