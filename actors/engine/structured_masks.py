@@ -72,6 +72,8 @@ class MaskBuffers:
                 self._copy_stream = torch.cuda.Stream(self.device)
                 self._filled = torch.zeros(1, dtype=torch.int32, pin_memory=True)
                 self._wait_value = _driver_wait_value()
+                if self._wait_value is not None and self._queue_wait(0) != 0:
+                    self._wait_value = None  # no stream waits on memory here: the host waits
             for _ in range(2 if cuda else 1):
                 host = torch.zeros(self.shape, dtype=torch.int32, pin_memory=cuda)
                 dev = (torch.zeros(self.shape, dtype=torch.int32, device=self.device)
@@ -92,15 +94,18 @@ class MaskBuffers:
         stream = self._copy_stream
         with torch.cuda.stream(stream):
             if fill is not None:
-                # the device waits until the pinned counter reaches the fill (a cyclic >=)
-                status = self._wait_value(ctypes.c_void_p(stream.cuda_stream),
-                                          ctypes.c_uint64(self._filled.data_ptr()),
-                                          ctypes.c_uint32(fill & 0xFFFFFFFF), 0)
+                status = self._queue_wait(fill)
                 if status != 0:
                     raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {status}")
             stream.wait_event(masks.used)
             masks.dev[lo:hi].copy_(masks.host[lo:hi], non_blocking=True)
             masks.copied.record(stream)
+
+    def _queue_wait(self, fill: int) -> int:
+        """Queues on the copy stream a wait until the pinned counter reaches ``fill`` (a
+        cyclic >=); the driver's status (0: queued)."""
+        return self._wait_value(self._copy_stream.cuda_stream, self._filled.data_ptr(),
+                                fill & 0xFFFFFFFF, 0)
 
     def hand_over(self, masks: Masks, rows: int) -> torch.Tensor:
         """The first ``rows`` masks for the sampler about to be queued on the current stream:
