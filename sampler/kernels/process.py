@@ -67,7 +67,8 @@ def _penalized(x, offs, touched, slot, V, pmask_ptr, counts_ptr, rep, freq, pres
     inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
     cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
     seen_out = cnt > 0
-    pen = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+    # (only positive values are divided: an infinite dividend takes div_rn's slow path)
+    pen = tl.where(x > 0, tl.math.div_rn(tl.where(x > 0, x, 1.0), rep), x * rep)
     x = tl.where(inp | seen_out, pen, x)
     x = x - freq * cnt.to(tl.float32)
     return x - pres * seen_out.to(tl.float32)
