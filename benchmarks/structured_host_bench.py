@@ -170,9 +170,9 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
     torch.Tensor.clone, torch.Tensor.index_select = timed(clone), timed(index_select)
     settle, advance = structured.settle, structured._advance
 
-    def timed_settle(*a):
+    def timed_settle(*a, **kw):
         t0 = time.perf_counter()
-        settle(*a)
+        settle(*a, **kw)
         spans.append(("settle", t0, time.perf_counter()))
 
     def timed_advance(*a):
