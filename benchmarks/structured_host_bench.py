@@ -19,9 +19,9 @@ one's end), both together (``par``), what follows them (``post``: accept results
 copy, a clone on CPU, and the step's ``StepBitmask``), the ``total``, the host work in it
 outside the llguidance calls, the mask copy (and gather, on the device under CUDA) and the
 wait for the ahead fill (``serial``: what more fill threads do not shorten), and the output
-processing after it; with the ahead fill also the wait for it in ``step_mask`` (``settle``)
-and its own time on its thread (``ahead``: the sampled ids' accept and the next masks'
-fill). Then the raw library rate at the rows' final states: the fill alone over the run's
+processing after it; with the ahead fill also the wait for it in ``step_mask`` (``settle``, or
+the hand-over of masks taken while they fill) and its own time on its thread (``ahead``: the
+sampled ids' accept and the next masks' fill). Then the raw library rate at the rows' final states: the fill alone over the run's
 own matchers, and over the same states held by independent matchers, by copies of one
 matcher, and by templates of ``--rows-per-template`` rows. ``mask_sha256`` digests every
 step's masks (equal across thread counts, the two paths and code versions that give the same
@@ -182,7 +182,17 @@ def run_steps(tok, so, threads: int, args) -> tuple[dict, list, object]:
         finally:
             times["ahead"].append(time.perf_counter() - t0)
 
+    hand_over = structured.buffers.hand_over
+
+    def timed_hand_over(masks, rows, fill=None):  # masks taken while they fill: their wait
+        if fill is not None:
+            t0 = time.perf_counter()
+            structured.buffers.wait_filled(fill)
+            spans.append(("settle", t0, time.perf_counter()))
+        return hand_over(masks, rows, fill)
+
     structured.settle, structured._advance = timed_settle, timed_advance
+    structured.buffers.hand_over = timed_hand_over
     params = SamplingParams(max_tokens=args.steps + 8, detokenize=False)
     request = Request("bench", [1], params, 0, 0, stop_token_ids=frozenset([eos]))
     request.grammar = structured.submit(so)

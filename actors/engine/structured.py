@@ -278,7 +278,8 @@ class StructuredOutputs:
                     source.append(base + len(here))
                     here.append(seq)
         # masks that fill ahead and need no row filled here: their upload is queued now and
-        # waits on the device for the fill's end (MaskBuffers.upload); else the host waits
+        # waits on the device for the fill's end (MaskBuffers.upload; on the CPU the copy
+        # waits); else the host waits
         wait_fill = None
         if running is not None and not here and self.buffers.device_wait:
             self._join_behind()  # (joined already when this step's outputs were read)
@@ -292,7 +293,7 @@ class StructuredOutputs:
             self.rows_ahead += len(done.grammars)
             if done.masks.dev is not None:
                 self.buffers.upload(done.masks, 0, len(done.grammars), wait_fill)
-            bits = self.buffers.hand_over(done.masks, len(done.grammars))
+            bits = self.buffers.hand_over(done.masks, len(done.grammars), wait_fill)
             return self._in_step_order(bits, done.step_rows, len(seqs))
         if not rows:
             return None
@@ -308,7 +309,7 @@ class StructuredOutputs:
             self._fill_here(here, prev_tokens, masks.host, base)
         if masks.dev is not None:  # the rows filled ahead and here, in one copy
             self.buffers.upload(masks, 0, total, wait_fill)
-        bits = self.buffers.hand_over(masks, total)
+        bits = self.buffers.hand_over(masks, total, wait_fill)
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),

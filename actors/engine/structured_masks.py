@@ -11,12 +11,13 @@ on the device, until a pinned counter reaches the fill's number (the driver's
 ``cuStreamWaitValue32``), which the filling thread sets once its rows are written
 (:meth:`MaskBuffers.filled`). So the sampler that reads the masks is launched while they
 fill, and starts on the device as soon as they are written, with no host thread woken in
-between.
+between. On the CPU the hand-over of such masks waits for the fill's number on the host.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,18 +51,23 @@ class MaskBuffers:
         self._turn = 0
         self._filled: torch.Tensor | None = None  # pinned: the number of the latest fill done
         self._wait_value: Callable | None = None  # cuStreamWaitValue32, where it exists
+        self._done = 0  # the number of the latest fill done (host side)
+        self._done_changed = threading.Condition()
 
     @property
     def device_wait(self) -> bool:
-        """Whether an upload may be queued before its fill ends (CUDA, the driver's stream
-        wait, and ``DEVICE_WAIT``)."""
-        return DEVICE_WAIT and self._wait_value is not None
+        """Whether masks may be handed over before their fill ends (``DEVICE_WAIT``, and on
+        CUDA the driver's stream wait): their upload, or on the CPU their copy, waits for it."""
+        return DEVICE_WAIT and (self.device.type == "cpu" or self._wait_value is not None)
 
     def filled(self, fill: int) -> None:
         """Marks fill number ``fill`` written (any thread; numbers only grow): an upload
         queued to wait for it may start."""
         if self._filled is not None:
             self._filled[0] = fill
+        with self._done_changed:
+            self._done = fill
+            self._done_changed.notify_all()
 
     def take(self) -> Masks:
         """The next buffers in turn, once their host buffer's last upload has finished (made
@@ -86,6 +92,11 @@ class MaskBuffers:
             masks.copied.synchronize()
         return masks
 
+    def wait_filled(self, fill: int) -> None:
+        """Blocks until fill number ``fill`` is written (:meth:`filled`)."""
+        with self._done_changed:
+            self._done_changed.wait_for(lambda: self._done >= fill)
+
     def upload(self, masks: Masks, lo: int, hi: int, fill: int | None = None) -> None:
         """Rows ``lo``-``hi`` of the pinned buffer copied to the device buffer on the copy
         stream, after the sampler that last read the device buffer, and with ``fill``
@@ -107,11 +118,14 @@ class MaskBuffers:
         return self._wait_value(self._copy_stream.cuda_stream, self._filled.data_ptr(),
                                 fill & 0xFFFFFFFF, 0)
 
-    def hand_over(self, masks: Masks, rows: int) -> torch.Tensor:
+    def hand_over(self, masks: Masks, rows: int, fill: int | None = None) -> torch.Tensor:
         """The first ``rows`` masks for the sampler about to be queued on the current stream:
         on CUDA the device rows (the stream waits for their uploads; the buffer's next upload
-        waits for that sampler, see :meth:`mark_read`), on the CPU a copy of the host rows."""
+        waits for that sampler, see :meth:`mark_read`), on the CPU a copy of the host rows,
+        with ``fill`` once fill number ``fill`` is written."""
         if masks.dev is None:
+            if fill is not None:
+                self.wait_filled(fill)
             return masks.host[:rows].clone()
         torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         self._reading = masks

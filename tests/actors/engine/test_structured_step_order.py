@@ -173,7 +173,15 @@ def test_a_step_sorts_its_rows_while_its_masks_still_fill(tiny_llama):
             state["waiting"] = True
         return settle(output, behind)
 
+    hand_over = structured.buffers.hand_over
+
+    def spy_hand_over(masks, rows, fill=None):  # the wait for the fill's masks, handed over
+        if state["inside"] and state["filling"] and fill is not None:
+            state["waiting"] = True
+        return hand_over(masks, rows, fill)
+
     structured.step_mask, structured.settle = spy_step_mask, spy_settle
+    structured.buffers.hand_over = spy_hand_over
     try:
         outputs = by_id(engine.generate(_requests()))
     finally:
@@ -212,3 +220,40 @@ def test_steps_of_the_fill_rows_again_take_the_masks_as_a_sorted_step_would(tiny
         assert out.output_token_ids == other.output_token_ids, key
         assert (out.finish_reason, out.logprobs, out.top_logprobs) == \
             (other.finish_reason, other.logprobs, other.top_logprobs)
+
+
+def test_a_fill_that_fails_fails_the_step_whose_masks_it_was_writing(tiny_llama):
+    """A step takes the ahead fill's masks before they are written (the upload, on the CPU
+    the copy, waits for the fill's number); when that fill fails, the device is never left
+    waiting, and the error fails the engine before the outputs of the step sampled under
+    those masks are read: none of them reaches an output."""
+    import threading
+
+    import pytest
+
+    engine = make_engine(tiny_llama)
+    structured = engine.structured
+    fill, apply_step = structured._fill, engine.outputs.apply_step
+    state = {"ahead": 0, "failed": False, "read_after": 0}
+
+    def failing_fill(targets, buf):
+        if threading.current_thread().name.startswith("grammar-ahead"):
+            state["ahead"] += 1
+            if state["ahead"] == 4:
+                state["failed"] = True
+                raise RuntimeError("the fill failed")
+        return fill(targets, buf)
+
+    def counted_apply_step(*args, **kwargs):
+        if state["failed"]:
+            state["read_after"] += 1
+        return apply_step(*args, **kwargs)
+
+    structured._fill = failing_fill
+    engine.outputs.apply_step = counted_apply_step
+    try:
+        with pytest.raises(RuntimeError, match="the fill failed"):
+            engine.generate(_requests())
+    finally:
+        engine.close()  # joins every fill: nothing hangs
+    assert state["failed"] and state["read_after"] <= 1
