@@ -63,8 +63,8 @@ class MaskBuffers:
     def filled(self, fill: int) -> None:
         """Marks fill number ``fill`` written (any thread; numbers only grow): an upload
         queued to wait for it may start."""
-        if self._filled is not None:
-            self._filled[0] = fill
+        if self._filled is not None:  # as an int32 wraps (the device compares cyclically)
+            self._filled[0] = (fill + 2**31) % 2**32 - 2**31
         with self._done_changed:
             self._done = fill
             self._done_changed.notify_all()
