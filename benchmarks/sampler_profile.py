@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sampler_bench import _gpu_time_ms, _triton_variant, _workload  # noqa: E402
 from sampler import AsyncOutput, Sampler, SamplingParams, derive_seed  # noqa: E402
 from sampler.grammar_mask import StepBitmask  # noqa: E402
+from sampler.ops.token_bitmask import pack_token_bitmask  # noqa: E402
 
 V = 151936
 # sampler_bench's `full` workload: its params (the fields it sets) and its bad words
@@ -73,12 +74,7 @@ def grammar_masks(kind: str, batch: int, dev: torch.device) -> StepBitmask:
         allowed.scatter_(1, torch.randint(0, V, (batch, 16), generator=g), True)
     else:
         raise ValueError(f"mask kind {kind!r}: dense or sparse")
-    words = (V + 31) // 32
-    padded = torch.zeros(batch, words * 32, dtype=torch.int64)
-    padded[:, :V] = allowed
-    bits = (padded.view(batch, words, 32) << torch.arange(32)).sum(-1)
-    bits = torch.from_numpy(bits.numpy().astype(np.uint32).view(np.int32)).to(dev)
-    return StepBitmask.build(bits, np.arange(batch), batch, dev)
+    return StepBitmask.build(pack_token_bitmask(allowed).to(dev), np.arange(batch), batch, dev)
 
 
 def run(case: str, batch: int, variant: str, prof: bool) -> dict:

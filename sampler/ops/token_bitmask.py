@@ -26,6 +26,18 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([bits, pad], dim=1)
 
 
+def pack_token_bitmask(allowed) -> torch.Tensor:
+    """The inverse of :func:`unpack_token_bitmask`: ``[rows, vocab]`` bool (a tensor or an
+    array) -> ``[rows, ceil(vocab / 32)]`` int32 packed masks."""
+    allowed = torch.as_tensor(allowed, dtype=torch.bool)
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    padded = torch.zeros(rows, words * 32, dtype=torch.int64, device=allowed.device)
+    padded[:, :vocab] = allowed
+    bits = (padded.view(rows, words, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                         mask_rows: torch.Tensor) -> None:
     """Masks every token a constrained row's grammar does not allow (in place).

@@ -9,19 +9,10 @@ import torch
 
 from sampler import Sampler, SamplingParams
 from sampler.grammar_mask import StepBitmask
-from sampler.ops.token_bitmask import apply_token_bitmask, unpack_token_bitmask
+from sampler.ops.token_bitmask import (apply_token_bitmask, pack_token_bitmask,
+                                       unpack_token_bitmask)
 
 from tests.sampler.helpers import random_logits
-
-
-def pack(allowed: np.ndarray) -> torch.Tensor:
-    """``[rows, vocab]`` bool -> ``[rows, ceil(vocab / 32)]`` int32, bit t&31 of word t>>5."""
-    rows, vocab = allowed.shape
-    words = (vocab + 31) // 32
-    padded = np.zeros((rows, words * 32), dtype=bool)
-    padded[:, :vocab] = allowed
-    bits = (padded.reshape(rows, words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64))
-    return torch.from_numpy(bits.sum(axis=2).astype(np.uint32).view(np.int32))
 
 
 def random_allowed(rows: int, vocab: int, seed: int, density: float = 0.05) -> np.ndarray:
@@ -31,13 +22,25 @@ def random_allowed(rows: int, vocab: int, seed: int, density: float = 0.05) -> n
     return allowed
 
 
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100])
+def test_pack_is_the_inverse_of_unpack(vocab):
+    allowed = random_allowed(3, vocab, vocab, density=0.5)
+    bits = pack_token_bitmask(allowed)
+    assert bits.dtype == torch.int32 and bits.shape == (3, (vocab + 31) // 32)
+    assert torch.equal(unpack_token_bitmask(bits, vocab), torch.from_numpy(allowed))
+    if vocab >= 32:  # token 31 is the word's sign bit
+        top = np.zeros((1, vocab), dtype=bool)
+        top[0, 31] = True
+        assert pack_token_bitmask(top)[0, 0].item() == -2**31
+
+
 @pytest.mark.parametrize("rows,vocab", [(1, 31), (7, 111), (5, 1000), (3, 32000)])
 def test_apply_token_bitmask_matches_a_loop(rows, vocab):
     logits = random_logits(rows, vocab, 1)
     mask_rows = np.arange(0, rows, 2)
     allowed = random_allowed(len(mask_rows), vocab, rows)
     x = logits.clone()
-    apply_token_bitmask(x, pack(allowed), torch.from_numpy(mask_rows))
+    apply_token_bitmask(x, pack_token_bitmask(allowed), torch.from_numpy(mask_rows))
     want = logits.clone()
     for j, r in enumerate(mask_rows):
         for t in range(vocab):
@@ -71,7 +74,7 @@ def test_sampler_masks_only_the_constrained_rows(backend):
     allowed = random_allowed(len(mask_rows), vocab, 9)
     plain = _sampler(params, vocab, backend).sample(logits.clone(), list(range(rows)))
     masked_s = _sampler(params, vocab, backend)
-    mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
+    mask = StepBitmask.build(pack_token_bitmask(allowed), mask_rows, rows, torch.device("cpu"))
     out = masked_s.sample(logits.clone(), list(range(rows)), token_bitmask=mask)
     for r in range(rows):
         if r in mask_rows:
@@ -94,7 +97,7 @@ def test_processed_logprobs_are_taken_after_the_mask():
     allowed = np.zeros((1, vocab), dtype=bool)
     allowed[0, [5, 17, 200]] = True
     s = _sampler(params, vocab)
-    mask = StepBitmask.build(pack(allowed), np.array([0]), 1, torch.device("cpu"))
+    mask = StepBitmask.build(pack_token_bitmask(allowed), np.array([0]), 1, torch.device("cpu"))
     out = s.sample(logits.clone(), [0], token_bitmask=mask)
     kept = logits[0, [5, 17, 200]]
     want = torch.log_softmax(kept, dim=-1)
@@ -121,7 +124,7 @@ def test_triton_bitmask_kernel_matches_torch(rows, vocab, block, dtype):
 
     logits = random_logits(rows, vocab, 5)
     mask_rows = torch.tensor([r for r in range(rows) if r % 3 != 1], dtype=torch.int64)
-    bits = pack(random_allowed(len(mask_rows), vocab, vocab))
+    bits = pack_token_bitmask(random_allowed(len(mask_rows), vocab, vocab))
     want = logits.clone()
     apply_token_bitmask(want, bits, mask_rows)
     got = logits.to(dtype)
@@ -165,12 +168,12 @@ def test_triton_backend_with_masks_equals_torch(vocab, logprobs, monkeypatch):
     outs, given = {}, {}
     for backend in ("torch", "triton"):
         s = _sampler(params, vocab, backend)
-        mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
+        mask = StepBitmask.build(pack_token_bitmask(allowed), mask_rows, rows, torch.device("cpu"))
         given[backend] = logits.clone()
         outs[backend] = s.sample(given[backend], list(range(rows)), token_bitmask=mask)
     assert passes == ([] if logprobs else [1])
     masked = logits.clone()
-    apply_token_bitmask(masked, pack(allowed), torch.from_numpy(mask_rows))
+    apply_token_bitmask(masked, pack_token_bitmask(allowed), torch.from_numpy(mask_rows))
     assert torch.equal(given["triton"], logits if logprobs else masked)
     assert torch.equal(outs["torch"].token_ids, outs["triton"].token_ids)
     if logprobs:
@@ -202,7 +205,7 @@ def test_gpu_backends_respect_masks_on_bf16_logits(backend, logprobs):
         s = Sampler(rows, vocab, device=dev, eos_token_ids=[0], backend=name)
         for slot, p in enumerate(params):
             s.add_request(slot, p, [1, 2], seed=p.seed or 0)
-        mask = StepBitmask.build(pack(allowed).to(dev), mask_rows, rows, dev)
+        mask = StepBitmask.build(pack_token_bitmask(allowed).to(dev), mask_rows, rows, dev)
         outs[name] = s.sample(logits, list(range(rows)), token_bitmask=mask).token_ids.cpu()
     for j, r in enumerate(mask_rows):
         assert allowed[j, outs[backend][r].item()]
@@ -218,8 +221,8 @@ def test_triton_all_greedy_step_with_masks_equals_torch():
     mask_rows = np.array([0, 3, 4])
     allowed = random_allowed(len(mask_rows), vocab, 8, density=0.1)
     want = logits.clone()
-    apply_token_bitmask(want, pack(allowed), torch.from_numpy(mask_rows))
+    apply_token_bitmask(want, pack_token_bitmask(allowed), torch.from_numpy(mask_rows))
     s = _sampler(params, vocab, "triton")
-    mask = StepBitmask.build(pack(allowed), mask_rows, rows, torch.device("cpu"))
+    mask = StepBitmask.build(pack_token_bitmask(allowed), mask_rows, rows, torch.device("cpu"))
     out = s.sample(logits.clone(), list(range(rows)), token_bitmask=mask)
     assert out.token_ids.tolist() == want.argmax(dim=-1).tolist()
