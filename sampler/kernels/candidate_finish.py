@@ -67,7 +67,7 @@ def _draw_from(lval, lid, prow, n, n_d, T, top_k, top_p, log_min_p, l_z, t, k0, 
     proc = tl.where(ii < n_d, raw_c,
                     tl.load(prow + ii, mask=inl & (ii >= n_d), other=NEG, cache_modifier=".cg"))
     fin = inl & (proc > NEG)
-    z = tl.math.div_rn(tl.where(fin, proc, 0.0), T)
+    z = tl.math.div_rn(tl.where(fin, proc, 1.0), T)  # 1.0: _div_t
     akeys = tl.sort(tl.where(fin, _order_key(z, ids_c), KEY_NONE), 0, descending=True)
     n_a = tl.sum(fin.to(tl.int32), 0)
     vals = _key_value(akeys)
@@ -198,9 +198,9 @@ def _cand_finish_kernel(
                 g_i = tl.where(upd, ti, g_i)
             if list_on:
                 rel_a = lv & (y > NEG) & (not greedy)
-                rel_a = rel_a & (tl.math.div_rn(tl.where(rel_a, y, 0.0), T) >= l_z)
+                rel_a = rel_a & (tl.math.div_rn(tl.where(rel_a, y, 1.0), T) >= l_z)
                 rel_b = lv & (raw > NEG) & lp_on
-                rel_b = rel_b & (_mode_value(tl.where(rel_b, raw, 0.0), mode, T, lse_r,
+                rel_b = rel_b & (_mode_value(tl.where(rel_b, raw, 1.0), mode, T, lse_r,
                                              lse_t) >= l_mv)
                 rel = rel_a | rel_b
                 pos = n + tl.cumsum(rel.to(tl.int32), 0) - 1

@@ -19,10 +19,11 @@ def _exp(x):
 @triton.jit
 def _div_t(x, T):
     """``x / T`` correctly rounded (``div_rn``), with -inf passed through rather than
-    divided: on the GPU an infinite dividend sends ``div_rn`` down its slow path, and
-    masked or banned tokens (-inf) in most warps of a row would take it on every pass."""
+    divided. On the GPU a dividend whose quotient is not a normal number (an infinity, a
+    zero) sends ``div_rn`` down its slow path for its whole warp, so masked or banned tokens
+    (-inf) in most warps of a row would take it on every pass: they divide 1.0 instead."""
     fin = x > float("-inf")
-    return tl.where(fin, tl.math.div_rn(tl.where(fin, x, 0.0), T), x)
+    return tl.where(fin, tl.math.div_rn(tl.where(fin, x, 1.0), T), x)
 
 
 @triton.jit
