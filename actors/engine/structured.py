@@ -208,9 +208,10 @@ class StructuredOutputs:
         # the fill that wrote the masks of the step of ``output`` (its sampler waited for
         # it on the device): a fill that failed fails the step before its outputs are read
         self._join_behind()
-        if self.filling_after(output):
+        running = self._running  # (not filling_after: the engine's order may differ)
+        if running is not None and output is running.output:
             # set even when the fill fails (its error comes from settle)
-            self._running.plan.accepted.wait()
+            running.plan.accepted.wait()
 
     def _join_behind(self) -> None:
         behind = self._behind
