@@ -6,10 +6,8 @@ size, the sampler_bench backend name (default ``triton``; ``triton@...`` variant
 ``p`` to add a ``torch.profiler`` table of the step's kernels (device microseconds per step,
 mean over 5 steps). A case named ``CASE+dense`` or ``CASE+sparse`` also gives every row a
 grammar mask (structured outputs): 90% of the tokens allowed (a JSON string's body), or 16
-tokens a row (between a schema's fields); ``CASE+dense-k`` (or ``+sparse-k``) has the kernels
-read the masks in every pass instead of writing -inf over the masked tokens first
-(``launcher.PRE_MASK`` off). Vocab 151,936, bf16 logits ``randn * 3``. Records go to ``$OUT/prof.json``
-(or ``/tmp``):
+tokens a row (between a schema's fields). Vocab 151,936, bf16 logits ``randn * 3``. Records
+go to ``$OUT/prof.json`` (or ``/tmp``):
 
     python benchmarks/sampler_profile.py full:256:triton:p full_nopen:256 gsl:256:triton:p
 """
@@ -79,13 +77,10 @@ def grammar_masks(kind: str, batch: int, dev: torch.device) -> StepBitmask:
 
 def run(case: str, batch: int, variant: str, prof: bool) -> dict:
     _triton_variant(variant)
-    from sampler.kernels import launcher
-
     case, _, kind = case.partition("+")
     params, bad, prompt = CASES[case]
     dev = torch.device("cuda")
-    launcher.PRE_MASK = not kind.endswith("-k")
-    mask = grammar_masks(kind.removesuffix("-k"), batch, dev) if kind else None
+    mask = grammar_masks(kind, batch, dev) if kind else None
     sampler = Sampler(batch, V, device=dev, eos_token_ids=[0], max_logprobs=20,
                       backend="triton")
     rng = random.Random(batch)

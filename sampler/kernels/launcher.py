@@ -9,8 +9,8 @@ Same contract as :func:`sampler.pipeline.run_pipeline`. Batches that ask for wha
 do not compute (processed logprobs modes, whole-vocab logprobs, more top-k logprobs than the
 candidate list, fp64 noise) run on the torch path; the choice is made on the host from the step
 plan, without a device sync. A step with grammar masks and no logprobs writes -inf over its
-masked tokens first (one pass that reads no logit) and then runs as an unmasked step; one
-with logprobs (whose raw values must be the model's) runs with ``HAS_GRAMMAR``: it skips the
+masked tokens first (one pass over the constrained rows) and then runs as an unmasked step;
+one with logprobs (whose raw values must be the model's) runs with ``HAS_GRAMMAR``: it skips the
 candidate path and the one-launch greedy step, and the fused kernel and the greedy split's
 pass 1 apply the masks on the tiles they read.
 """
@@ -51,10 +51,6 @@ def supports(plan: StepPlan, precision: str) -> bool:
 
 
 _fallback_logged = False
-# a step with grammar masks and no logprobs first writes -inf over its masked tokens (one
-# pass over the constrained rows), then runs as a step without masks; False: its kernels
-# read the masks in every pass (HAS_GRAMMAR)
-PRE_MASK = True
 
 
 def run_pipeline_triton(
@@ -108,7 +104,7 @@ def run_pipeline_triton(
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if plan.do_grammar and inplace and not plan.any_logprobs and PRE_MASK:
+    if plan.do_grammar and inplace and not plan.any_logprobs:
         mask = state.token_bitmask
         apply_token_bitmask_triton(logits, mask.bits, mask.rows)
         plan = replace(plan, do_grammar=False)
