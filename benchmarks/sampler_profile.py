@@ -6,8 +6,9 @@ size, the sampler_bench backend name (default ``triton``; ``triton@...`` variant
 ``p`` to add a ``torch.profiler`` table of the step's kernels (device microseconds per step,
 mean over 5 steps). A case named ``CASE+dense`` or ``CASE+sparse`` also gives every row a
 grammar mask (structured outputs): 90% of the tokens allowed (a JSON string's body), or 16
-tokens a row (between a schema's fields). Vocab 151,936, bf16 logits ``randn * 3``. Records
-go to ``$OUT/prof.json`` (or ``/tmp``):
+tokens a row (between a schema's fields); ``CASE+ninf`` has no masks but 10% of the logits
+at -inf, at random. Vocab 151,936, bf16 logits ``randn * 3``. Records go to
+``$OUT/prof.json`` (or ``/tmp``):
 
     python benchmarks/sampler_profile.py full:256:triton:p full_nopen:256 gsl:256:triton:p
 """
@@ -80,7 +81,7 @@ def run(case: str, batch: int, variant: str, prof: bool) -> dict:
     case, _, kind = case.partition("+")
     params, bad, prompt = CASES[case]
     dev = torch.device("cuda")
-    mask = grammar_masks(kind, batch, dev) if kind else None
+    mask = grammar_masks(kind, batch, dev) if kind and kind != "ninf" else None
     sampler = Sampler(batch, V, device=dev, eos_token_ids=[0], max_logprobs=20,
                       backend="triton")
     rng = random.Random(batch)
@@ -92,7 +93,10 @@ def run(case: str, batch: int, variant: str, prof: bool) -> dict:
             bad_words_token_ids=BAD_WORDS if bad else ())
     slots = torch.arange(batch)
     g = torch.Generator().manual_seed(0)
-    src = (torch.randn(batch, V, generator=g) * 3).to(dev, torch.bfloat16)
+    src = torch.randn(batch, V, generator=g) * 3
+    if kind == "ninf":  # no mask: 10% of the logits are -inf already
+        src[torch.rand(batch, V, generator=g) < 0.1] = float("-inf")
+    src = src.to(dev, torch.bfloat16)
 
     def step():  # (a masked step writes -inf over src's masked tokens: the same each time)
         return sampler.sample(src, slots, token_bitmask=mask)
