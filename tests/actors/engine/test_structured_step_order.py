@@ -6,8 +6,8 @@ outputs equal those of the order that launches the whole step first."""
 from __future__ import annotations
 
 from sampler import SamplingParams
-from tests.actors.engine.structured_checks import (DATE_REGEX, PERSON_SCHEMA, check_output,
-                                                   compile_first)
+from tests.actors.engine.structured_checks import (ARITHMETIC_LARK, DATE_REGEX, PERSON_SCHEMA,
+                                                   check_output, compile_first)
 from tests.actors.helpers import by_id, make_engine, random_prompts
 
 JSON = {"json": PERSON_SCHEMA, "disable_any_whitespace": True}
@@ -88,6 +88,63 @@ def test_outputs_processed_while_the_masks_fill_equal_the_launch_first_order(tin
     for i, so in ((0, JSON), (2, REGEX), (3, REGEX)):
         if split[(i, 0)].finish_reason == "stop":
             check_output(split[(i, 0)], so)
+
+
+def _mixed_batch_outputs(model: str, launch_first: bool) -> dict:
+    """20 rows in one batch (five kinds of constraint, unconstrained rows beside them); with
+    ``launch_first`` every step is launched whole first, and each ahead fill's accept starts
+    5 ms late and checks that no row's matcher took its token before it."""
+    import threading
+    import time
+
+    kinds = [JSON, REGEX, {"choice": ["yes", "no", "it depends"]},
+             {"grammar": ARITHMETIC_LARK}, {"json_object": True, "disable_any_whitespace": True}]
+    prompts = random_prompts([5 + 3 * i for i in range(20)], 400, seed=9)
+    requests = [(i, p, SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=60, seed=50 + i,
+        structured_outputs=kinds[i % 5] if i % 4 != 3 else None, ignore_eos=i % 4 == 3))
+        for i, p in enumerate(prompts)]
+    engine = make_engine(model, max_num_seqs=32, max_num_batched_tokens=2048)
+    structured = engine.structured
+    taken_before = []
+    if launch_first:
+        structured.filling_after = lambda output: False
+        accept = structured._accept_par
+
+        def late_accept(grammars, tokens, matchers=None):
+            if threading.current_thread() is not threading.main_thread():  # the fill's
+                time.sleep(0.005)
+                taken_before.extend(g for g in grammars if g.num_accepted != g.mask_at - 1)
+            return accept(grammars, tokens, matchers=matchers)
+
+        structured._accept_par = late_accept
+    try:
+        compile_first(engine, requests)
+        outputs = by_id(engine.generate(requests))
+    finally:
+        engine.close()
+    assert not taken_before  # the stepping thread accepted no token the fill was to accept
+    assert len(outputs) == 20
+    for (i, _), out in outputs.items():
+        assert out.error is None, (i, out.error)
+        so = requests[i][2].structured_outputs
+        if so is not None and out.finish_reason == "stop":
+            check_output(out, so.to_dict())
+    return outputs
+
+
+def test_the_launch_first_order_reads_a_step_back_after_its_fill_accepted(tiny_llama):
+    """Whatever decides the step order (here every step launched whole first), a step's
+    outputs are read back only once the ahead fill running after it has accepted its
+    tokens. The last step (nothing launched after it) is read back while its fill runs:
+    had the stepping thread not waited, it would accept the rows' last tokens itself,
+    before or beside the fill's accept of the same matchers (llguidance: "Already
+    borrowed"). The outputs are the split order's."""
+    split = _mixed_batch_outputs(tiny_llama, launch_first=False)
+    first = _mixed_batch_outputs(tiny_llama, launch_first=True)
+    for key, out in split.items():
+        assert (out.output_token_ids, out.finish_reason) == \
+            (first[key].output_token_ids, first[key].finish_reason), key
 
 
 def test_a_step_is_read_back_while_the_next_masks_still_fill(tiny_llama):
