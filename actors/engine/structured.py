@@ -331,13 +331,20 @@ class StructuredOutputs:
     def _fill_here(self, seqs: list[Sequence], prev_tokens, buf: torch.Tensor,
                    base: int) -> None:
         """Accepts the known tokens of ``seqs`` and fills their masks into ``buf`` rows
-        ``base``, ``base + 1``, ... in order (the calls take the rows in template order)."""
+        ``base``, ``base + 1``, ... in order (the calls take the rows in template order). A
+        row whose matcher has accepted nothing (a new row's first token) takes its
+        constraint's first mask, filled once (:meth:`CompiledConstraint.first_mask`)."""
         host_prev = None
         matchers, grammars, singles = [], [], []
+        fresh: dict[int, tuple[Any, list[int]]] = {}  # constraint -> (it, its new rows)
         order = template_order([seq.grammar for seq in seqs])
         for j in range(len(seqs)) if order is None else order:
             seq = seqs[j]
             grammar = seq.grammar
+            if grammar.num_accepted == 0 and len(seq.token_ids) == seq.num_prompt:
+                compiled = seq.request.grammar.result()
+                fresh.setdefault(id(compiled), (compiled, []))[1].append(base + j)
+                continue
             matchers.append((grammar.matcher, base + j))
             pending = PENDING
             if seq.num_pending:
@@ -359,7 +366,10 @@ class StructuredOutputs:
                 grammar.accept(todo)
         if grammars:
             self._accept_par(grammars, singles)
-        self._fill(matchers, buf)
+        if matchers:
+            self._fill(matchers, buf)
+        for compiled, rows in fresh.values():
+            buf[rows] = compiled.first_mask(buf.shape[1])
 
     def _accept_par(self, grammars: list[SequenceGrammar], tokens: list[int],
                     matchers: list | None = None) -> bool:

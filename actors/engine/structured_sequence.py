@@ -29,6 +29,20 @@ class CompiledConstraint:
     grammar: str = ""  # the llguidance grammar text it was compiled from
     templates: list = field(default_factory=list)  # the templates after ``template``
     live: list = field(default_factory=list)  # live sequences of each template
+    initial_mask: Any = None  # the mask before any token (int32 words), once filled
+
+    def first_mask(self, words: int) -> Any:
+        """The mask of a sequence that has accepted no token: ``template``'s, filled on
+        first need (every copy starts in its state). Only the stepping thread fills masks
+        outside the ahead fill, whose rows have accepted tokens."""
+        if self.initial_mask is None:
+            import llguidance.torch
+            import torch
+
+            mask = torch.zeros(1, words, dtype=torch.int32)
+            llguidance.torch.fill_next_token_bitmask(self.template, mask)
+            self.initial_mask = mask[0]
+        return self.initial_mask
 
     def next_copy(self, tokenizer: Any, max_templates: int) -> tuple[Any, int]:
         """A fresh matcher for one more sequence and the index of its template (give it

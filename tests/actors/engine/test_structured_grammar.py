@@ -138,6 +138,32 @@ def test_masks_cover_the_padded_vocab_and_allow_eos_only_at_an_end(structured):
     assert structured.num_active == 0
 
 
+def test_new_rows_take_their_constraints_first_mask_as_the_library_fills_it(structured):
+    """Rows that have accepted no token take their constraint's first mask (filled once from
+    the template); it equals the library's fill of each row's own matcher, beside a row
+    with tokens, for two constraints."""
+    import llguidance.torch
+
+    from actors.engine.sequence import Sequence
+
+    tok = structured.compiler.tokenizer
+    requests = [_request(structured, SO(regex="(ab)+")), _request(structured, SO(json=SHORT))]
+    seqs = [Sequence(requests[i % 2], 0, [1]) for i in range(4)]
+    for seq in seqs:
+        structured.start(seq)
+    ab = tok.encode("ab", add_special_tokens=False)
+    seqs[2].token_ids += ab  # accepted here
+    bits = structured.step_mask(seqs, prev_tokens=None).bits
+    assert [seq.grammar.num_accepted for seq in seqs] == [0, 0, len(ab), 0]
+    own = torch.zeros_like(bits)
+    for i, seq in enumerate(seqs):
+        llguidance.torch.fill_next_token_bitmask(seq.grammar.matcher, own, i)
+    assert torch.equal(bits, own)
+    assert not torch.equal(bits[0], bits[1]) and not torch.equal(bits[0], bits[2])
+    for seq in seqs:
+        structured.release(seq)
+
+
 def test_many_sequences_of_one_constraint_spread_over_templates_with_the_same_masks():
     from actors.engine.sequence import Sequence
     from actors.engine.structured_sequence import ROWS_PER_TEMPLATE
