@@ -79,8 +79,8 @@ class StructuredOutputs:
         self._behind: _Running | None = None
         self._done: AheadPlan | None = None  # its plan (masks), for the next step_mask
         self._last: AheadPlan | None = None  # the latest plan (the next may repeat it)
-        self._index: tuple | None = None  # (step rows, rows, their device index): see
-        # _in_step_order
+        # (step rows, number of rows, their StepBitmask rows and row map): _in_step_order
+        self._index: tuple | None = None
         self._fills = 0
         self.rows_ahead = 0  # masks taken from an ahead fill, and filled in step_mask
         self.rows_here = 0
@@ -279,7 +279,7 @@ class StructuredOutputs:
                     source.append(base + len(here))
                     here.append(seq)
         # masks that fill ahead and need no row filled here: their upload is queued now and
-        # waits on the device for the fill's end (MaskBuffers.upload; on the CPU the copy
+        # waits on the device for the fill's end (MaskBuffers.hand_over; on the CPU the copy
         # waits); else the host waits
         wait_fill = None
         if running is not None and not here and self.buffers.device_wait:
@@ -292,8 +292,6 @@ class StructuredOutputs:
         self.buffers.mark_read()
         if repeat:
             self.rows_ahead += len(done.grammars)
-            if done.masks.dev is not None:
-                self.buffers.upload(done.masks, 0, len(done.grammars), wait_fill)
             bits = self.buffers.hand_over(done.masks, len(done.grammars), wait_fill)
             return self._in_step_order(bits, done.step_rows, len(seqs))
         if not rows:
@@ -308,9 +306,7 @@ class StructuredOutputs:
         total = base + len(here)
         if here:
             self._fill_here(here, prev_tokens, masks.host, base)
-        if masks.dev is not None:  # the rows filled ahead and here, in one copy
-            self.buffers.upload(masks, 0, total, wait_fill)
-        bits = self.buffers.hand_over(masks, total, wait_fill)
+        bits = self.buffers.hand_over(masks, total, wait_fill)  # ahead and here: one copy
         if source is not None and total == len(rows) and source == list(range(total)):
             source = None  # in order: nothing to gather
         return StepBitmask.build(bits, np.asarray(rows, dtype=np.int64), len(seqs),

@@ -97,9 +97,9 @@ class MaskBuffers:
         with self._done_changed:
             self._done_changed.wait_for(lambda: self._done >= fill)
 
-    def upload(self, masks: Masks, lo: int, hi: int, fill: int | None = None) -> None:
-        """Rows ``lo``-``hi`` of the pinned buffer copied to the device buffer on the copy
-        stream, after the sampler that last read the device buffer, and with ``fill``
+    def _upload(self, masks: Masks, rows: int, fill: int | None) -> None:
+        """The first ``rows`` rows of the pinned buffer copied to the device buffer on the
+        copy stream, after the sampler that last read the device buffer, and with ``fill``
         (:attr:`device_wait` only) once fill number ``fill`` is written (:meth:`filled`);
         the ``copied`` event marks the end of the latest copy."""
         stream = self._copy_stream
@@ -109,7 +109,7 @@ class MaskBuffers:
                 if status != 0:
                     raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {status}")
             stream.wait_event(masks.used)
-            masks.dev[lo:hi].copy_(masks.host[lo:hi], non_blocking=True)
+            masks.dev[:rows].copy_(masks.host[:rows], non_blocking=True)
             masks.copied.record(stream)
 
     def _queue_wait(self, fill: int) -> int:
@@ -119,14 +119,15 @@ class MaskBuffers:
                                 fill & 0xFFFFFFFF, 0)
 
     def hand_over(self, masks: Masks, rows: int, fill: int | None = None) -> torch.Tensor:
-        """The first ``rows`` masks for the sampler about to be queued on the current stream:
-        on CUDA the device rows (the stream waits for their uploads; the buffer's next upload
-        waits for that sampler, see :meth:`mark_read`), on the CPU a copy of the host rows,
-        with ``fill`` once fill number ``fill`` is written."""
+        """The first ``rows`` masks for the sampler about to be queued on the current stream,
+        with ``fill`` once fill number ``fill`` is written: on CUDA the device rows, their
+        upload queued here (the stream waits for it; the buffer's next upload waits for that
+        sampler, see :meth:`mark_read`), on the CPU a copy of the host rows."""
         if masks.dev is None:
             if fill is not None:
                 self.wait_filled(fill)
             return masks.host[:rows].clone()
+        self._upload(masks, rows, fill)
         torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
         self._reading = masks
         return masks.dev[:rows]

@@ -67,7 +67,7 @@ def _draw_from(lval, lid, prow, n, n_d, T, top_k, top_p, log_min_p, l_z, t, k0, 
     proc = tl.where(ii < n_d, raw_c,
                     tl.load(prow + ii, mask=inl & (ii >= n_d), other=NEG, cache_modifier=".cg"))
     fin = inl & (proc > NEG)
-    z = tl.math.div_rn(tl.where(fin, proc, 1.0), T)  # 1.0: _div_t
+    z = tl.math.div_rn(tl.where(fin, proc, 1.0), T)  # (1.0: reductions._div_t says why)
     akeys = tl.sort(tl.where(fin, _order_key(z, ids_c), KEY_NONE), 0, descending=True)
     n_a = tl.sum(fin.to(tl.int32), 0)
     vals = _key_value(akeys)

@@ -67,7 +67,7 @@ def _penalized(x, offs, touched, slot, V, pmask_ptr, counts_ptr, rep, freq, pres
     inp = tl.load(pmask_ptr + slot * V + offs, mask=touched, other=0) != 0
     cnt = tl.load(counts_ptr + slot * V + offs, mask=touched, other=0)
     seen_out = cnt > 0
-    # (only positive values are divided: an infinite dividend takes div_rn's slow path)
+    # (only positive values are divided, the others 1.0: reductions._div_t says why)
     pen = tl.where(x > 0, tl.math.div_rn(tl.where(x > 0, x, 1.0), rep), x * rep)
     x = tl.where(inp | seen_out, pen, x)
     x = x - freq * cnt.to(tl.float32)

@@ -124,8 +124,7 @@ def test_an_upload_queued_before_its_fill_starts_once_the_fill_is_marked():
     assert buffers.device_wait
     masks.host.fill_(1)
     try:
-        buffers.upload(masks, 0, 2, fill=5)
-        total = buffers.hand_over(masks, 2).sum()  # queued on the current stream after it
+        total = buffers.hand_over(masks, 2, fill=5).sum()  # queued after the upload
         buffers.filled(4)  # an earlier fill: still waiting
         time.sleep(0.05)
         assert not masks.copied.query()
